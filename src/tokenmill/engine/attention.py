@@ -1,0 +1,78 @@
+"""Paged attention over the block-structured KV cache, in plain PyTorch.
+
+KV cache layout, per layer: `[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`.
+A block's K (or V) for one layer is one contiguous run of memory, which is what
+the transfer library and the tiers copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class SeqSpan:
+    """One sequence's rows in a flattened step."""
+    query_start: int
+    query_len: int
+    context_len: int  # tokens in the cache once this step's K/V are written
+    block_ids: torch.Tensor  # int64, the blocks covering `context_len` tokens
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    slot_mapping: torch.Tensor  # int64 [tokens]: cache slot (block*block_size+offset) per new token
+    spans: list[SeqSpan]
+
+
+def allocate_kv_cache(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """One tensor for the whole cache: `[layers, 2, blocks, block_size, kv_heads, head_dim]`."""
+    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store this step's K/V ([tokens, kv_heads, head_dim]) at their slots."""
+    _, nb, bs, h, d = kv_layer.shape
+    kv_layer[0].view(nb * bs, h, d).index_copy_(0, slots, k)
+    kv_layer[1].view(nb * bs, h, d).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch, scale: float
+) -> torch.Tensor:
+    """q: [tokens, heads, head_dim] -> [tokens, heads*head_dim], each row attending causally
+    to its own sequence's cached context."""
+    tokens, heads, dim = q.shape
+    out = q.new_empty(tokens, heads, dim)
+    for span in batch.spans:
+        k, v = _gather_context(kv_layer, span)
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, qlen, dim]
+        mask = _causal_mask(span.query_len, span.context_len, q.device)
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+    return out.view(tokens, heads * dim)
+
+
+def _gather_context(kv_layer: torch.Tensor, span: SeqSpan) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the span's context as [1, kv_heads, context_len, head_dim]."""
+    n = span.context_len
+    blocks = kv_layer.index_select(1, span.block_ids)  # [2, nb, bs, h, d]
+    _, nb, bs, h, d = blocks.shape
+    kv = blocks.view(2, nb * bs, h, d)[:, :n].transpose(1, 2)  # [2, h, n, d]
+    return kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+
+
+def _causal_mask(query_len: int, context_len: int, device: torch.device) -> torch.Tensor | None:
+    """Query i (at absolute position context_len-query_len+i) sees keys 0..that position."""
+    if query_len == 1:
+        return None
+    offset = context_len - query_len
+    q_pos = torch.arange(query_len, device=device).unsqueeze(1) + offset
+    k_pos = torch.arange(context_len, device=device).unsqueeze(0)
+    return k_pos <= q_pos

@@ -1,0 +1,60 @@
+"""Engine configuration: every knob a worker passes through to its engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.engine.mock_runner import StepTimeModel
+from tokenmill.engine.model_config import ModelConfig
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                  "float16": torch.float16}
+DEFAULT_KV_CACHE_GB = 1.0
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # "auto": the checkpoint's dtype
+    threads: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # wins over kv_cache_gb
+    kv_cache_gb: float | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    runner: str = "torch"  # or "mock"
+    mock_step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    mock_sleep: bool = True
+    seed: int = 0
+    worker_id: str = "worker-0"
+    hash_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.runner not in ("torch", "mock"):
+            raise ValueError(f"runner must be 'torch' or 'mock', got {self.runner!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"threads must be positive, got {self.threads}")
+
+    def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
+        name = model_cfg.checkpoint_dtype if self.dtype == "auto" else self.dtype
+        return DTYPES.get(name, torch.float32)
+
+    def kv_blocks(self, model_cfg: ModelConfig) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        gb = self.kv_cache_gb if self.kv_cache_gb is not None else DEFAULT_KV_CACHE_GB
+        itemsize = torch.empty(0, dtype=self.torch_dtype(model_cfg)).element_size()
+        per_block = 2 * model_cfg.num_layers * self.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
+        return max(1, int(gb * 2**30) // per_block)

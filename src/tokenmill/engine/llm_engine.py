@@ -1,0 +1,203 @@
+"""The engine: `add_request / step / abort`, synchronous, one step at a time.
+
+Owns the scheduler, the KV cache manager (over the block pool) and a model
+runner. A step schedules, runs the forward pass, appends sampled tokens, applies
+stop conditions and returns one `RequestOutput` delta per request that advanced.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.mock_runner import MockRunner
+from tokenmill.engine.model_config import ModelConfig, load_model_config
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request import FINISH_STOP, Request, RequestOutput
+from tokenmill.engine.runner import ModelRunner, Sampled, TorchModelRunner
+from tokenmill.engine.sampling import SamplingParams, TokenLogprob
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.kv.block_pool import BlockPool
+from tokenmill.kv.cache_manager import KVCacheManager
+from tokenmill.kv.events import KVEventEmitter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    prefix_hit_rate: float
+    num_steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    prefill_step_seconds: float  # steps that computed any prefill tokens
+    decode_step_seconds: float  # steps that only decoded
+    num_decode_only_steps: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, events: KVEventEmitter | None = None,
+                 tokenizer: Tokenizer | None = None, load_tokenizer: bool = True) -> None:
+        self.config = config
+        self.model_config: ModelConfig = load_model_config(config.model)
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.tokenizer = tokenizer or (Tokenizer(config.model) if load_tokenizer else None)
+        num_blocks = config.kv_blocks(self.model_config)
+        self.events = events or KVEventEmitter(config.worker_id)
+        self.pool = BlockPool(num_blocks, config.block_size, self.events, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.hash_seed)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.max_model_len = self._max_model_len(num_blocks)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
+        self.output = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self.runner: ModelRunner = self._make_runner(num_blocks)
+        self.requests: dict[str, Request] = {}
+        self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0)
+        self._seconds = dict(prefill=0.0, decode=0.0)
+
+    def _max_model_len(self, num_blocks: int) -> int:
+        limit = min(self.model_config.max_position_embeddings, num_blocks * self.config.block_size)
+        if self.model_config.sliding_window:
+            limit = min(limit, self.model_config.sliding_window)
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > limit:
+                raise ValueError(f"max_model_len {self.config.max_model_len} exceeds what the model and "
+                                 f"KV pool allow ({limit})")
+            limit = self.config.max_model_len
+        return limit
+
+    def _make_runner(self, num_blocks: int) -> ModelRunner:
+        cfg = self.model_config
+        if self.config.runner == "mock":
+            specials = self.tokenizer.special_token_ids if self.tokenizer else frozenset()
+            return MockRunner(self.config.mock_step_time, cfg.vocab_size, specials, self.config.mock_sleep)
+        from tokenmill.engine.weights import load_model
+
+        dtype = self.config.torch_dtype(cfg)
+        model = load_model(self.config.model, cfg, dtype, self.max_model_len)
+        return TorchModelRunner(model, cfg, num_blocks, self.config.block_size, dtype, self.config.seed)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    extra_key: str | None = None) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        self._validate_prompt(prompt_token_ids)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer")
+        request = Request(request_id, list(prompt_token_ids), params, extra_key)
+        self.requests[request_id] = request
+        self.output.add(request)
+        self.scheduler.add(request)
+
+    def _validate_prompt(self, prompt: list[int]) -> None:
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; the context length is {self.max_model_len} "
+                             "(and at least one token must be generated)")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request)
+        self.output.remove(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        self._counters["preemptions"] += len(out.preempted)
+        if not out:
+            return []
+        t0 = time.perf_counter()
+        sampled = self.runner.execute(out, self.kv)
+        self._record_step(out, time.perf_counter() - t0)
+        self.scheduler.advance(out)
+        return self._process(out, sampled)
+
+    def _record_step(self, out: SchedulerOutput, seconds: float) -> None:
+        prefill = out.num_prefill_tokens
+        self._counters["steps"] += 1
+        self._counters["prefill"] += prefill
+        self._counters["decode"] += out.num_decode_seqs
+        if prefill:
+            self._seconds["prefill"] += seconds
+        else:
+            self._seconds["decode"] += seconds
+            self._counters["decode_steps"] += 1
+
+    def _process(self, out: SchedulerOutput, sampled: Sampled) -> list[RequestOutput]:
+        results = []
+        for seq in out.seqs:
+            request = seq.request
+            if request.request_id not in sampled:
+                continue
+            token, logprob = sampled[request.request_id]
+            request.append_token(token, logprob)
+            results.append(self._finish_or_continue(request, token, logprob))
+        return results
+
+    def _finish_or_continue(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        stop = self.output.check_token_stop(request, token)
+        text, matched = self.output.text_delta(request, [token], finished=stop is not None)
+        if stop is None and matched is not None:
+            stop = (FINISH_STOP, None)
+            request.stop_reason = matched
+        if stop is not None:
+            reason, stop_token = stop
+            if stop_token is not None:
+                request.stop_reason = stop_token
+            self.scheduler.finish(request, reason)
+            self.output.remove(request.request_id)
+            del self.requests[request.request_id]
+        return RequestOutput(
+            request.request_id, [token], text, request.is_finished, request.finish_reason,
+            request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
+            [logprob] if logprob is not None else [], request.stop_reason,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion in one batch; the output token ids of each, in order."""
+        ids = [f"gen-{self._counters['steps']}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, params)
+        done: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in done:
+                    done[out.request_id].extend(out.new_token_ids)
+        return [done[rid] for rid in ids]
+
+    def stats(self) -> EngineStats:
+        c, s = self._counters, self._seconds
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_usage=self.pool.usage(), num_free_blocks=self.pool.num_free_blocks,
+            num_blocks=self.pool.num_blocks, prefix_hit_rate=self.kv.stats.hit_rate,
+            num_steps=c["steps"], prefill_tokens=c["prefill"], decode_tokens=c["decode"],
+            prefill_step_seconds=s["prefill"], decode_step_seconds=s["decode"],
+            num_decode_only_steps=c["decode_steps"], num_preemptions=c["preemptions"],
+        )

@@ -1,0 +1,1 @@
+"""Model implementations for HF architectures (one decoder skeleton, per-family options)."""
