@@ -1,0 +1,71 @@
+"""Disaggregated serving: a prefill pool and a decode pool joined by a KV-cache transfer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.sim.memory import max_sequences
+from tokenmill.sim.operators import OpContext
+from tokenmill.sim.parallel import Parallel
+from tokenmill.sim.serving import MAX_UTILISATION, Workload, decode_step, kv_transfer_time, prefill_step, queued_ttft
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillPool:
+    """Per prefill instance: latency of one batch and requests/s it sustains."""
+
+    gpus: np.ndarray
+    latency: np.ndarray  # prefill forward + KV transfer, no queueing
+    service: np.ndarray  # instance-seconds per request
+    fits: np.ndarray
+
+
+@dataclass(slots=True, frozen=True)
+class DecodePool:
+    gpus: np.ndarray
+    tpot: np.ndarray
+    requests_per_s: np.ndarray  # per instance
+    fits: np.ndarray
+
+
+def prefill_pool(c: OpContext, par: Parallel, w: Workload, prompts: np.ndarray, same_domain: np.ndarray | bool = False) -> PrefillPool:
+    """`prompts` per forward pass per instance (split over the attention-DP ranks)."""
+    prompts = np.asarray(prompts, dtype=np.float64)
+    per_rank = np.maximum(prompts / par.dp, 1.0)
+    forward = prefill_step(c, par, w, per_rank)
+    latency = forward + kv_transfer_time(c, w, prompts, par.gpus, np.asarray(same_domain))
+    service = forward / (prompts * par.pp)  # PP keeps pp batches in flight
+    cap = max_sequences(c.model, c.gpu, par, c.plan, np.full(1, w.isl))
+    return PrefillPool(gpus=par.gpus, latency=latency, service=service, fits=cap >= per_rank * par.dp)
+
+
+def decode_pool(c: OpContext, par: Parallel, w: Workload, batch: np.ndarray) -> DecodePool:
+    batch = np.asarray(batch, dtype=np.float64)
+    tpot = decode_step(c, par, w, batch / (par.dp * par.pp))
+    cap = max_sequences(c.model, c.gpu, par, c.plan, np.full(1, w.isl + w.osl))
+    return DecodePool(gpus=par.gpus, tpot=tpot, requests_per_s=batch / (tpot * w.osl), fits=cap >= batch)
+
+
+@dataclass(slots=True, frozen=True)
+class DisaggResult:
+    ttft: np.ndarray
+    tpot: np.ndarray
+    output_tps_per_gpu: np.ndarray
+    gpus: np.ndarray
+    fits: np.ndarray
+
+
+def rate_matched(p: PrefillPool, d: DecodePool, w: Workload, n_prefill: np.ndarray, n_decode: np.ndarray) -> DisaggResult:
+    """Open-loop deployment of n_prefill + n_decode instances at the rate the slower pool sustains."""
+    prefill_rate = n_prefill / p.service
+    rate = np.minimum(MAX_UTILISATION * prefill_rate, n_decode * d.requests_per_s)
+    rho = rate / prefill_rate
+    ttft = p.latency + rho / (2 * (1 - rho)) * p.service * n_prefill
+    gpus = n_prefill * p.gpus + n_decode * d.gpus
+    return DisaggResult(ttft=ttft, tpot=d.tpot, output_tps_per_gpu=rate * w.osl / gpus, gpus=gpus, fits=p.fits & d.fits)
+
+
+def closed_loop(p: PrefillPool, d_tpot: np.ndarray, w: Workload, n_prefill: np.ndarray, concurrency: np.ndarray) -> np.ndarray:
+    """TTFT of a benchmark holding `concurrency` requests in flight (the silicon data's setting)."""
+    return queued_ttft(p.latency, p.service / n_prefill, np.asarray(concurrency, dtype=np.float64), w.osl * d_tpot)

@@ -1,0 +1,108 @@
+"""Serving modes: aggregated (mixed continuous batching) and disaggregated (prefill + decode pools)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.sim.accounting import kv_bytes_per_token
+from tokenmill.sim.memory import max_sequences, memory_per_gpu, weight_bytes_per_gpu, GB
+from tokenmill.sim.operators import OpContext, StepShape
+from tokenmill.sim.parallel import Parallel
+from tokenmill.sim.step_time import step_time
+
+MAX_UTILISATION = 0.99  # queue model stops here; beyond it the capacity bound takes over
+
+
+@dataclass(slots=True, frozen=True)
+class Workload:
+    isl: int
+    osl: int
+    mtp_tokens: int = 0  # draft tokens per step (multi-token prediction)
+    mtp_acceptance: float = 1.0  # tokens emitted per decode step
+
+    def __post_init__(self) -> None:
+        if self.isl < 1 or self.osl < 1:
+            raise ValueError("workload: fields isl and osl must be >= 1")
+        if not 1.0 <= self.mtp_acceptance <= 1 + self.mtp_tokens:
+            raise ValueError("workload: field mtp_acceptance must be in [1, 1 + mtp_tokens]")
+
+
+@dataclass(slots=True, frozen=True)
+class PhaseResult:
+    """Arrays, one element per design point. Times in seconds."""
+
+    ttft: np.ndarray
+    tpot: np.ndarray
+    output_tps_per_gpu: np.ndarray
+    memory_gb_per_gpu: np.ndarray
+    fits: np.ndarray
+    batch_capacity: np.ndarray
+
+    @property
+    def tps_per_user(self) -> np.ndarray:
+        return 1.0 / self.tpot
+
+
+def decode_step(c: OpContext, par: Parallel, w: Workload, seqs_per_rank: np.ndarray, prefill_tokens: np.ndarray | float = 0.0) -> np.ndarray:
+    """Seconds per token for a micro-batch of decoding sequences (optionally mixed with prefill)."""
+    shape = StepShape(prefill_tokens=np.asarray(prefill_tokens, dtype=np.float64), prefill_ctx=np.full(1, w.isl / 2.0),
+                      decode_seqs=np.asarray(seqs_per_rank, dtype=np.float64), decode_ctx=np.full(1, w.isl + w.osl / 2.0),
+                      tokens_per_seq=1.0 + w.mtp_tokens)
+    return step_time(c, par, shape, mtp_layers=w.mtp_tokens).total / w.mtp_acceptance
+
+
+def prefill_step(c: OpContext, par: Parallel, w: Workload, prompts_per_rank: np.ndarray, decode_seqs: np.ndarray | float = 0.0) -> np.ndarray:
+    """Seconds for one forward pass that prefills `prompts_per_rank` whole prompts per DP rank."""
+    prompts = np.asarray(prompts_per_rank, dtype=np.float64)
+    shape = StepShape(prefill_tokens=prompts * w.isl, prefill_ctx=np.full(1, w.isl / 2.0),
+                      decode_seqs=np.asarray(decode_seqs, dtype=np.float64), decode_ctx=np.full(1, w.isl + w.osl / 2.0),
+                      output_rows=prompts)
+    return step_time(c, par, shape).total
+
+
+def queued_ttft(base: np.ndarray, service: np.ndarray, concurrency: np.ndarray, rest: np.ndarray) -> np.ndarray:
+    """Closed-loop TTFT: M/D/1 wait at the prefill server, never below Little's-law capacity bound.
+
+    `service` is server-seconds per request, `rest` the rest of a request's life (decode).
+    """
+    ttft = np.array(base, dtype=np.float64)
+    for _ in range(30):  # fixed point of lambda = C / (ttft + rest)
+        rho = np.minimum(concurrency / (ttft + rest) * service, MAX_UTILISATION)
+        ttft = 0.5 * ttft + 0.5 * (base + rho / (2 * (1 - rho)) * service)
+    return np.maximum(ttft, concurrency * service - rest)
+
+
+def aggregated(c: OpContext, par: Parallel, w: Workload, batch: np.ndarray, max_batch: np.ndarray | None = None) -> PhaseResult:
+    """Continuous batching with chunked prefill: every step decodes the batch and prefills new prompts.
+
+    `batch` is the number of requests in flight; `max_batch` an engine limit below the memory bound.
+    """
+    batch = np.asarray(batch, dtype=np.float64)
+    cap = max_sequences(c.model, c.gpu, par, c.plan, np.full(1, w.isl + w.osl))
+    if max_batch is not None:
+        cap = np.minimum(cap, max_batch)
+    live = np.maximum(np.minimum(batch, cap), 1.0)
+    per_rank = live / par.dp
+    micro = per_rank / par.pp
+    # Steady state: a request finishes every osl/acceptance steps, so its prompt is spread over them.
+    tpot = decode_step(c, par, w, micro, micro * w.isl * w.mtp_acceptance / w.osl)
+    waiting_tokens = w.isl * (1.0 + c.tuning.wave_fraction * (per_rank - 1.0) / 2.0)
+    chunk = np.minimum(waiting_tokens, c.tuning.max_prefill_tokens)
+    chunk_time = step_time(c, par, StepShape(chunk, np.full(1, w.isl / 2.0), micro, np.full(1, w.isl + w.osl / 2.0),
+                                             output_rows=np.maximum(chunk / w.isl, 1.0))).total
+    steps = np.ceil(waiting_tokens / c.tuning.max_prefill_tokens)
+    ttft0 = chunk_time * (1.0 + (steps - 1.0) / par.pp)
+    life = ttft0 + w.osl * tpot
+    ttft = ttft0 + life * np.maximum(batch / np.maximum(cap, 1.0) - 1.0, 0.0)  # Little's law queue when over capacity
+    tps_gpu = live * w.osl / life / par.gpus
+    mem = memory_per_gpu(c.model, par, c.plan, per_rank * (w.isl + w.osl)) / GB
+    fits = (cap >= batch) & (weight_bytes_per_gpu(c.model, par, c.plan) < c.gpu.hbm_gb * GB)
+    return PhaseResult(ttft=ttft, tpot=tpot, output_tps_per_gpu=tps_gpu, memory_gb_per_gpu=mem, fits=fits, batch_capacity=cap)
+
+
+def kv_transfer_time(c: OpContext, w: Workload, prompts: np.ndarray, prefill_gpus: np.ndarray, same_domain: np.ndarray) -> np.ndarray:
+    """Moving the prompts' KV from the prefill instance to the decode instance."""
+    nbytes = prompts * w.isl * kv_bytes_per_token(c.model, c.plan.kv.bytes_per_value, w.isl)
+    bw = np.where(same_domain, c.gpu.nvlink_bw, c.gpu.scaleout_bw) * c.gpu.link_eff * prefill_gpus
+    return c.gpu.collective_latency_s + nbytes / bw

@@ -1,0 +1,62 @@
+"""Per-serving-framework knobs of the step-time model, fitted on the silicon data's training split.
+
+The GPU catalog holds hardware numbers; these hold what the software adds on top: per-step CPU
+overhead, how close its kernels get to the hardware curves, and how its scheduler batches prefill.
+`data/fitted.json` is written by `tokenmill sim validate --refit` (training rows only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+FITTED_FILE = "data/fitted.json"
+
+
+@dataclass(slots=True, frozen=True)
+class Tuning:
+    step_overhead_s: float = 1.0e-3  # scheduler + launch time per engine step (assumption before fit)
+    compute_scale: float = 1.0  # multiplies GEMM and attention efficiency
+    mem_scale: float = 1.0  # multiplies achievable HBM bandwidth
+    latency_scale: float = 1.0  # multiplies kernel and collective fixed latencies
+    moe_imbalance: float = 1.3  # hottest rank's expert load over the mean when EP > 1 (assumption)
+    wave_fraction: float = 0.5  # share of concurrent requests whose prefills queue behind each other
+    max_prefill_tokens: int = 8192  # per-step token budget for prefill (chunked prefill)
+
+    def __post_init__(self) -> None:
+        for name in ("compute_scale", "mem_scale", "latency_scale", "moe_imbalance"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"tuning: field {name} must be > 0")
+        if self.step_overhead_s < 0:
+            raise ValueError("tuning: field step_overhead_s must be >= 0")
+        if not 0 <= self.wave_fraction <= 1:
+            raise ValueError("tuning: field wave_fraction must be in [0, 1]")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("tuning: field max_prefill_tokens must be >= 1")
+
+    def replace(self, **changes: float) -> "Tuning":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def load_fitted(path: Path | None = None) -> dict[str, Tuning]:
+    """Backend name -> fitted Tuning; empty when no fit has been stored."""
+    if path is not None:
+        text = Path(path).read_text() if Path(path).exists() else "{}"
+    else:
+        res = resources.files("tokenmill.sim").joinpath(FITTED_FILE)
+        text = res.read_text() if res.is_file() else "{}"
+    raw = json.loads(text)
+    return {k: Tuning(**v) for k, v in raw.get("backends", {}).items()}
+
+
+def tuning_for(backend: str | None = None, fitted: dict[str, Tuning] | None = None) -> Tuning:
+    """The fitted tuning of a backend, falling back to the `default` fit, then to the priors."""
+    table = load_fitted() if fitted is None else fitted
+    if backend and backend in table:
+        return table[backend]
+    return table.get("default", Tuning())
