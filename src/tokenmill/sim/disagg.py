@@ -8,6 +8,7 @@ import numpy as np
 from tokenmill.sim.memory import max_sequences
 from tokenmill.sim.operators import OpContext
 from tokenmill.sim.parallel import Parallel
+from tokenmill.sim.tuning import Tuning
 from tokenmill.sim.serving import MAX_UTILISATION, Workload, decode_step, kv_transfer_time, prefill_step, queued_ttft
 
 
@@ -66,6 +67,13 @@ def rate_matched(p: PrefillPool, d: DecodePool, w: Workload, n_prefill: np.ndarr
     return DisaggResult(ttft=ttft, tpot=d.tpot, output_tps_per_gpu=rate * w.osl / gpus, gpus=gpus, fits=p.fits & d.fits)
 
 
-def closed_loop(p: PrefillPool, d_tpot: np.ndarray, w: Workload, n_prefill: np.ndarray, concurrency: np.ndarray) -> np.ndarray:
-    """TTFT of a benchmark holding `concurrency` requests in flight (the silicon data's setting)."""
-    return queued_ttft(p.latency, p.service / n_prefill, np.asarray(concurrency, dtype=np.float64), w.osl * d_tpot)
+def closed_loop(p: PrefillPool, d_tpot: np.ndarray, w: Workload, n_prefill: np.ndarray, concurrency: np.ndarray,
+                tuning: Tuning) -> np.ndarray:
+    """TTFT of a benchmark holding `concurrency` requests in flight (the silicon data's setting).
+
+    Requests that arrive together (a wave) queue behind each other at their prefill instance.
+    """
+    concurrency = np.asarray(concurrency, dtype=np.float64)
+    wave_wait = tuning.wave_fraction * np.maximum(concurrency / n_prefill - 1.0, 0.0) / 2.0 * p.service
+    base = p.latency + wave_wait + tuning.ttft_overhead_s
+    return queued_ttft(base, p.service / n_prefill, concurrency, w.osl * d_tpot)

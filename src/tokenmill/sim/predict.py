@@ -46,7 +46,7 @@ def _predict_disagg(c: OpContext, w: Workload, rows: list[SiliconRow]) -> tuple[
     total_gpus = n_prefill * pre_par.gpus + n_decode * dec_par.gpus
     pool = prefill_pool(c, pre_par, w, np.array([r.prefill_batch for r in rows], float), total_gpus <= c.gpu.domain_size)
     tpot = decode_pool(c, dec_par, w, np.maximum(concurrency / n_decode, 1.0)).tpot
-    return closed_loop(pool, tpot, w, n_prefill, concurrency), tpot
+    return closed_loop(pool, tpot, w, n_prefill, concurrency, c.tuning), tpot
 
 
 def predict_rows(rows: Sequence[SiliconRow], tunings: dict[str, Tuning], models: dict[str, ModelConfig] | None = None,

@@ -86,13 +86,13 @@ def aggregated(c: OpContext, par: Parallel, w: Workload, batch: np.ndarray, max_
     per_rank = live / par.dp
     micro = per_rank / par.pp
     # Steady state: a request finishes every osl/acceptance steps, so its prompt is spread over them.
-    tpot = decode_step(c, par, w, micro, micro * w.isl * w.mtp_acceptance / w.osl)
+    tpot = decode_step(c, par, w, micro, c.tuning.prefill_in_tpot * micro * w.isl * w.mtp_acceptance / w.osl)
     waiting_tokens = w.isl * (1.0 + c.tuning.wave_fraction * (per_rank - 1.0) / 2.0)
     chunk = np.minimum(waiting_tokens, c.tuning.max_prefill_tokens)
     chunk_time = step_time(c, par, StepShape(chunk, np.full(1, w.isl / 2.0), micro, np.full(1, w.isl + w.osl / 2.0),
                                              output_rows=np.maximum(chunk / w.isl, 1.0))).total
     steps = np.ceil(waiting_tokens / c.tuning.max_prefill_tokens)
-    ttft0 = chunk_time * (1.0 + (steps - 1.0) / par.pp)
+    ttft0 = chunk_time * (1.0 + (steps - 1.0) / par.pp) + c.tuning.ttft_overhead_s
     life = ttft0 + w.osl * tpot
     ttft = ttft0 + life * np.maximum(batch / np.maximum(cap, 1.0) - 1.0, 0.0)  # Little's law queue when over capacity
     tps_gpu = live * w.osl / life / par.gpus

@@ -40,7 +40,7 @@ class SiliconRow:
     isl: int
     osl: int
     concurrency: int
-    batch: int  # agg: max batch the engine was configured for
+    batch: int  # agg: max requests in flight the engine was configured for (batch_size x attention-DP)
     agg: Layout | None
     prefill: Layout | None
     decode: Layout | None
@@ -84,7 +84,7 @@ def parse_row(r: dict[str, str]) -> SiliconRow | str:
     return SiliconRow(
         row_id=r["id"], backend=r["backend"], model=model, gpu=GPU_ALIASES.get(r["system"], r["system"]),
         precision=_precision(r), mode=r["mode"], isl=int(r["isl"]), osl=int(r["osl"]), concurrency=concurrency,
-        batch=_int(r["batch_size"], concurrency), agg=None if disagg else _layout(r, ""),
+        batch=_int(r["batch_size"], concurrency) * (1 if disagg else _int(r["attention_dp_size"])), agg=None if disagg else _layout(r, ""),
         prefill=_layout(r, "prefill_") if disagg else None, decode=_layout(r, "decode_") if disagg else None,
         prefill_workers=_int(r["prefill_num_workers"]), decode_workers=_int(r["decode_num_workers"]),
         prefill_batch=_int(r["prefill_batch_size"]), ttft_ms=float(r["silicon_ttft_ms"]), tpot_ms=float(r["silicon_tpot_ms"]),

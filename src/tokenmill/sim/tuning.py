@@ -24,6 +24,8 @@ class Tuning:
     moe_imbalance: float = 1.3  # hottest rank's expert load over the mean when EP > 1 (assumption)
     wave_fraction: float = 0.5  # share of concurrent requests whose prefills queue behind each other
     max_prefill_tokens: int = 8192  # per-step token budget for prefill (chunked prefill)
+    ttft_overhead_s: float = 0.02  # HTTP, tokenisation, scheduling before the first forward pass
+    prefill_in_tpot: float = 1.0  # share of the interleaved prefill work that shows up in measured TPOT
 
     def __post_init__(self) -> None:
         for name in ("compute_scale", "mem_scale", "latency_scale", "moe_imbalance"):
@@ -31,8 +33,11 @@ class Tuning:
                 raise ValueError(f"tuning: field {name} must be > 0")
         if self.step_overhead_s < 0:
             raise ValueError("tuning: field step_overhead_s must be >= 0")
-        if not 0 <= self.wave_fraction <= 1:
-            raise ValueError("tuning: field wave_fraction must be in [0, 1]")
+        for name in ("wave_fraction", "prefill_in_tpot"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"tuning: field {name} must be in [0, 1]")
+        if self.ttft_overhead_s < 0:
+            raise ValueError("tuning: field ttft_overhead_s must be >= 0")
         if self.max_prefill_tokens < 1:
             raise ValueError("tuning: field max_prefill_tokens must be >= 1")
 

@@ -1,0 +1,47 @@
+"""Build an evaluation context from user-facing names, and the one-deployment estimate."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.sim.hardware import get_gpu
+from tokenmill.sim.models import get_model
+from tokenmill.sim.operators import OpContext
+from tokenmill.sim.parallel import Parallel
+from tokenmill.sim.precision import PrecisionPlan
+from tokenmill.sim.serving import Workload, aggregated
+from tokenmill.sim.tuning import tuning_for
+
+
+def make_context(model: str, gpu: str, precision: str = "fp8", kv: str | None = None, backend: str | None = None) -> OpContext:
+    return OpContext(get_model(model), get_gpu(gpu), PrecisionPlan.named(precision, kv), tuning_for(backend))
+
+
+@dataclass(slots=True, frozen=True)
+class Estimate:
+    ttft_ms: float
+    tpot_ms: float
+    output_tokens_per_s_per_gpu: float
+    tokens_per_s_per_user: float
+    memory_gb_per_gpu: float
+    fits: bool
+
+    def to_json(self) -> dict[str, float | bool]:
+        """The CLI contract: exactly these six keys."""
+        return {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms,
+                "output_tokens_per_s_per_gpu": self.output_tokens_per_s_per_gpu,
+                "tokens_per_s_per_user": self.tokens_per_s_per_user, "memory_gb_per_gpu": self.memory_gb_per_gpu,
+                "fits": self.fits}
+
+
+def estimate(c: OpContext, par: Parallel, w: Workload, batch: int) -> Estimate:
+    """One aggregated deployment (batch = requests in flight on the instance)."""
+    if batch < 1:
+        raise ValueError("estimate: field batch must be >= 1")
+    par.check(c.model)
+    r = aggregated(c, par, w, np.array([float(batch)]))
+    return Estimate(ttft_ms=float(r.ttft[0] * 1e3), tpot_ms=float(r.tpot[0] * 1e3),
+                    output_tokens_per_s_per_gpu=float(r.output_tps_per_gpu[0]),
+                    tokens_per_s_per_user=float(r.tps_per_user[0]), memory_gb_per_gpu=float(r.memory_gb_per_gpu[0]),
+                    fits=bool(r.fits[0]))

@@ -1,0 +1,76 @@
+"""Fit per-backend Tuning on training rows by coordinate descent on median absolute log error."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.sim.predict import predict_rows
+from tokenmill.sim.silicon import SiliconRow
+from tokenmill.sim.tuning import Tuning
+
+log = logging.getLogger(__name__)
+
+# (field, candidate values); multiplicative fields are searched around the current value.
+SEARCH_SPACE: tuple[tuple[str, tuple[float, ...]], ...] = (
+    ("step_overhead_s", (0.0, 0.5e-3, 1e-3, 2e-3, 3e-3, 5e-3, 8e-3)),
+    ("compute_scale", (0.4, 0.55, 0.7, 0.85, 1.0, 1.2)),
+    ("mem_scale", (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.15)),
+    ("latency_scale", (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)),
+    ("moe_imbalance", (1.0, 1.2, 1.4, 1.7, 2.0)),
+    ("prefill_in_tpot", (0.0, 0.25, 0.5, 0.75, 1.0)),
+    ("wave_fraction", (0.0, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)),
+    ("ttft_overhead_s", (0.0, 0.02, 0.05, 0.1, 0.15, 0.25)),
+)
+
+
+@dataclass(slots=True, frozen=True)
+class ErrorSummary:
+    rows: int
+    tpot_median_abs: float  # median |pred/meas - 1|
+    ttft_median_abs: float
+
+
+def summarise(rows: Sequence[SiliconRow], tunings: dict[str, Tuning]) -> ErrorSummary:
+    if not rows:
+        raise ValueError("summarise: field rows is empty")
+    pred = predict_rows(rows, tunings)
+    tpot = np.array([r.tpot_ms for r in rows])
+    ttft = np.array([r.ttft_ms for r in rows])
+    return ErrorSummary(rows=len(rows), tpot_median_abs=float(np.median(np.abs(pred.tpot_ms / tpot - 1))),
+                        ttft_median_abs=float(np.median(np.abs(pred.ttft_ms / ttft - 1))))
+
+
+def _loss(rows: Sequence[SiliconRow], tuning: Tuning, backend: str) -> float:
+    pred = predict_rows(rows, {backend: tuning})
+    tpot = np.array([r.tpot_ms for r in rows])
+    ttft = np.array([r.ttft_ms for r in rows])
+    # TPOT weighted higher: its target is tighter and TTFT carries benchmark noise.
+    return float(2 * np.median(np.abs(np.log(pred.tpot_ms / tpot))) + np.median(np.abs(np.log(pred.ttft_ms / ttft))))
+
+
+def fit_backend(rows: Sequence[SiliconRow], backend: str, start: Tuning | None = None, rounds: int = 2) -> Tuning:
+    """Coordinate descent: each round tries every candidate of every field, keeping improvements."""
+    best = start or Tuning()
+    best_loss = _loss(rows, best, backend)
+    for round_no in range(rounds):
+        for field, candidates in SEARCH_SPACE:
+            for value in candidates:
+                trial = best.replace(**{field: value})
+                loss = _loss(rows, trial, backend)
+                if loss < best_loss - 1e-6:
+                    best, best_loss = trial, loss
+        log.info("fit %s round %d: loss %.4f", backend, round_no, best_loss)
+    return best
+
+
+def fit_all(train: Sequence[SiliconRow], rounds: int = 2) -> dict[str, Tuning]:
+    """One Tuning per backend present in `train`, plus `default` fitted on every row."""
+    fitted: dict[str, Tuning] = {}
+    for backend in sorted({r.backend for r in train}):
+        fitted[backend] = fit_backend([r for r in train if r.backend == backend], backend, rounds=rounds)
+    # The default (used for search/estimate without a named backend) is TensorRT-LLM's fit when present.
+    fitted["default"] = fitted.get("trtllm", next(iter(fitted.values()), Tuning()))
+    return fitted
