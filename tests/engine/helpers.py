@@ -1,0 +1,39 @@
+"""Small helpers shared by the engine tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tokenmill.engine.attention import AttentionBatch, SeqSpan
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.runner import TorchModelRunner
+from tokenmill.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(model: Path, **overrides) -> LLMEngine:
+    kwargs = dict(model=str(model), dtype="float32", num_kv_blocks=512, max_num_batched_tokens=256)
+    kwargs.update(overrides)
+    return LLMEngine(EngineConfig(**kwargs))
+
+
+def prompt_logits(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
+    """Logits at every position of `tokens`, through the paged-KV forward pass."""
+    runner = engine.runner
+    assert isinstance(runner, TorchModelRunner)
+    n, bs = len(tokens), engine.config.block_size
+    blocks = torch.arange(-(-n // bs), dtype=torch.long)
+    pos = torch.arange(n)
+    batch = AttentionBatch(blocks[pos // bs] * bs + pos % bs, [SeqSpan(0, n, n, blocks)])
+    return runner.model(torch.tensor(tokens), pos, runner.kv_cache, batch, pos)
+
+
+def prompts(engine: LLMEngine, count: int, seed: int = 0, low: int = 5, high: int = 120) -> list[list[int]]:
+    """Deterministic prompts of mixed length made of ordinary (non-special) tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (count,), generator=g).tolist()
+    vocab = engine.model_config.vocab_size
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
