@@ -1,0 +1,36 @@
+"""`tokenmill bench BENCHMARK …`: one nested sub-command per benchmark.
+
+Each benchmark is one module exposing `add_arguments(parser)` and `run(args) -> int`,
+registered in `BENCHMARKS` below, exactly like the top-level `tokenmill` sub-commands.
+Benchmark modules import torch/transformers inside `run`, so `tokenmill bench --help`
+stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# (name, module, one-line help); later issues add serve, transfer and router here
+BENCHMARKS: tuple[tuple[str, str, str], ...] = (
+    ("engine", "tokenmill.bench.engine_bench",
+     "embedded engine vs transformers generate(), with the decode step's memory floor"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module_name, help_text in BENCHMARKS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # a benchmark whose module is not written yet
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(cmd)
+        # not `_run`: the top-level parser already uses that name for `bench` itself
+        cmd.set_defaults(_bench_run=module.run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench_run(args) or 0)

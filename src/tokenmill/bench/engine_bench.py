@@ -1,0 +1,213 @@
+"""`tokenmill bench engine`: the embedded engine in-process against transformers' generate().
+
+A seeded workload (prompt token ids drawn uniformly from the non-special vocabulary,
+lengths uniform in [--min-prompt, --max-prompt], outputs uniform in [--min-output,
+--max-output], greedy with ignore_eos so output lengths are exact, all arriving at once)
+runs through `LLMEngine`, then through transformers (see `hf_baseline`). A large-copy
+memory bandwidth measured in the same process turns the bytes a decode step must read
+into a floor for its time. The JSON schema is documented in `tokenmill.bench.report`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenmill.bench.hf_baseline import run_hf_baseline
+from tokenmill.bench.report import (
+    DecodeStepShape, EngineBenchReport, TokenmillResult, WorkloadSummary, decode_floor, render_table,
+    write_json,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+BANDWIDTH_BYTES = 256 * 2**20
+BANDWIDTH_REPEATS = 5
+
+
+@dataclass(slots=True)
+class EngineBenchConfig:
+    model: str
+    json_path: str | None = None
+    num_requests: int = 64
+    min_prompt: int = 32
+    max_prompt: int = 1024
+    min_output: int = 16
+    max_output: int = 256
+    seed: int = 0
+    dtype: str = "bfloat16"
+    threads: int = 1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    hf_batch_size: int = 16
+    skip_hf: bool = False
+    hf_max_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"--model {self.model!r}: not a model directory (no config.json)")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
+        for name in ("num_requests", "min_prompt", "min_output", "threads", "max_num_seqs",
+                     "max_num_batched_tokens", "hf_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for low, high in (("min_prompt", "max_prompt"), ("min_output", "max_output")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(f"--{high.replace('_', '-')} ({getattr(self, high)}) is below "
+                                 f"--{low.replace('_', '-')} ({getattr(self, low)})")
+        if self.hf_max_requests is not None and self.hf_max_requests <= 0:
+            raise ValueError(f"--hf-max-requests must be positive, got {self.hf_max_requests}")
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    def summary(self) -> WorkloadSummary:
+        plens = [len(p) for p in self.prompts]
+        olens = self.output_lens
+        return WorkloadSummary(
+            num_requests=len(plens), prompt_source="random non-special token ids (seeded)",
+            arrival="all at t=0", prompt_tokens=sum(plens), prompt_len_min=min(plens),
+            prompt_len_mean=sum(plens) / len(plens), prompt_len_max=max(plens),
+            output_tokens=sum(olens), output_len_min=min(olens),
+            output_len_mean=sum(olens) / len(olens), output_len_max=max(olens),
+        )
+
+
+def make_workload(cfg: EngineBenchConfig, vocab_size: int, special_ids: frozenset[int]) -> Workload:
+    rng = random.Random(cfg.seed)
+    allowed = [t for t in range(vocab_size) if t not in special_ids]
+    prompts, outputs = [], []
+    for _ in range(cfg.num_requests):
+        prompts.append(rng.choices(allowed, k=rng.randint(cfg.min_prompt, cfg.max_prompt)))
+        outputs.append(rng.randint(cfg.min_output, cfg.max_output))
+    return Workload(prompts, outputs)
+
+
+def run_tokenmill(engine: Any, workload: Workload) -> tuple[TokenmillResult, list[DecodeStepShape]]:
+    """Run the workload to completion; figures cover only this run (after a warm-up)."""
+    from tokenmill.engine.sampling import SamplingParams
+
+    engine.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    before = engine.stats()
+    generated = [0] * len(workload.prompts)
+    shapes: list[DecodeStepShape] = []
+    t0 = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens)):
+        engine.add_request(f"bench-{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0.0,
+                                                               ignore_eos=True))
+    decode_only_steps = before.num_decode_only_steps
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now_decode_only = engine.stats().num_decode_only_steps
+        indices = [int(o.request_id.removeprefix("bench-")) for o in outputs]
+        if now_decode_only > decode_only_steps:
+            # a decode step's context: the prompt plus every token generated before this step
+            context = sum(len(workload.prompts[i]) + generated[i] for i in indices)
+            shapes.append(DecodeStepShape(len(indices), context))
+        decode_only_steps = now_decode_only
+        for i, out in zip(indices, outputs):
+            generated[i] += len(out.new_token_ids)
+    wall = time.perf_counter() - t0
+    return _tokenmill_result(before, engine.stats(), wall, sum(generated)), shapes
+
+
+def _tokenmill_result(before: Any, after: Any, wall: float, output_tokens: int) -> TokenmillResult:
+    steps = after.num_steps - before.num_steps
+    decode_steps = after.num_decode_only_steps - before.num_decode_only_steps
+    decode_s = after.decode_step_seconds - before.decode_step_seconds
+    step_s = decode_s + after.prefill_step_seconds - before.prefill_step_seconds
+    return TokenmillResult(
+        output_tokens_per_s=output_tokens / wall, wall_s=wall,
+        mean_step_ms=step_s / max(steps, 1) * 1e3,
+        mean_decode_step_ms=decode_s / max(decode_steps, 1) * 1e3,
+        mean_wall_step_ms=wall / max(steps, 1) * 1e3, steps=steps, decode_only_steps=decode_steps,
+        preemptions=after.num_preemptions - before.num_preemptions, output_tokens=output_tokens,
+        prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+    )
+
+
+def measure_bandwidth_gbps(threads: int) -> float:
+    """Best of a few copies of a 256 MiB tensor; a copy reads and writes every byte."""
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.ones(BANDWIDTH_BYTES, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the destination pages in before timing
+    best = float("inf")
+    for _ in range(BANDWIDTH_REPEATS):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * BANDWIDTH_BYTES / best / 1e9
+
+
+def run_engine_bench(cfg: EngineBenchConfig) -> EngineBenchReport:
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, threads=cfg.threads,
+                                    max_num_seqs=cfg.max_num_seqs,
+                                    max_num_batched_tokens=cfg.max_num_batched_tokens))
+    _check_fits(cfg, engine.max_model_len)
+    special = engine.tokenizer.special_token_ids if engine.tokenizer else frozenset()
+    workload = make_workload(cfg, engine.model_config.vocab_size, special)
+    log.info("tokenmill: %d requests, %d prompt and %d output tokens", cfg.num_requests,
+             sum(map(len, workload.prompts)), sum(workload.output_lens))
+    tokenmill, shapes = run_tokenmill(engine, workload)
+    model_cfg = engine.model_config
+    del engine  # free its weights and KV cache before transformers loads its copy
+    bandwidth = measure_bandwidth_gbps(cfg.threads)
+    floor = decode_floor(model_cfg, ITEMSIZE[cfg.dtype], shapes, bandwidth, tokenmill.mean_decode_step_ms)
+    hf = None
+    if not cfg.skip_hf:
+        log.info("transformers: batches of %d", cfg.hf_batch_size)
+        hf = run_hf_baseline(cfg.model, cfg.dtype, workload.prompts, workload.output_lens,
+                             cfg.hf_batch_size, cfg.hf_max_requests)
+    ratio = tokenmill.output_tokens_per_s / hf.useful_output_tokens_per_s if hf else None
+    return EngineBenchReport(asdict(cfg), workload.summary(), tokenmill, hf, ratio, floor)
+
+
+def _check_fits(cfg: EngineBenchConfig, max_model_len: int) -> None:
+    # a request that hits the context limit stops early, and output counts would not be exact
+    if cfg.max_prompt + cfg.max_output > max_model_len:
+        raise ValueError(f"--max-prompt + --max-output ({cfg.max_prompt + cfg.max_output}) exceeds "
+                         f"the engine's context length {max_model_len}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model directory (HF format)")
+    parser.add_argument("--json", dest="json_path", required=True, metavar="OUT", help="write results here")
+    defaults = EngineBenchConfig.__dataclass_fields__
+    for name in ("num_requests", "min_prompt", "max_prompt", "min_output", "max_output", "seed",
+                 "threads", "max_num_seqs", "max_num_batched_tokens", "hf_batch_size"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=defaults[name].default)
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
+    parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
+    parser.add_argument("--hf-max-requests", type=int, default=None,
+                        help="run transformers on the first N requests only (whole batches)")
+
+
+def run(args: argparse.Namespace) -> int:
+    fields = EngineBenchConfig.__dataclass_fields__
+    try:
+        cfg = EngineBenchConfig(**{name: getattr(args, name) for name in fields})
+        report = run_engine_bench(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        log.error("bench engine: %s", exc)
+        return 2
+    render_table(report)
+    if cfg.json_path:
+        write_json(report, cfg.json_path)
+        log.info("wrote %s", cfg.json_path)
+    return 0

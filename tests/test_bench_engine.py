@@ -1,0 +1,104 @@
+"""`tokenmill bench engine` on a tiny model with a tiny workload: schema, counts, errors.
+
+No assertions on speed: only that the figures exist, are positive and add up.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from tokenmill.bench.engine_bench import EngineBenchConfig, make_workload, run_engine_bench
+from tokenmill.bench.report import decode_weight_bytes, expected_experts_touched, write_json
+from tokenmill.cli import main
+from tokenmill.engine.model_config import load_model_config
+
+TOP_KEYS = {"schema_version", "config", "workload", "tokenmill", "hf", "ratio", "floor"}
+TOKENMILL_KEYS = {"output_tokens_per_s", "wall_s", "mean_step_ms", "mean_decode_step_ms", "steps",
+                  "preemptions", "output_tokens"}
+HF_KEYS = {"useful_output_tokens_per_s", "requests_run", "wall_s", "batch_size", "useful_output_tokens"}
+FLOOR_KEYS = {"bandwidth_gbps", "decode_batch_mean", "bytes_per_decode_step", "floor_ms",
+              "decode_step_over_floor"}
+
+
+def tiny_config(model: Path, json_path: Path, **overrides: object) -> EngineBenchConfig:
+    fields = dict(model=str(model), json_path=str(json_path), num_requests=6, min_prompt=4,
+                  max_prompt=24, min_output=2, max_output=8, dtype="float32", hf_batch_size=2,
+                  hf_max_requests=2)
+    fields.update(overrides)
+    return EngineBenchConfig(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def bench_json(tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "engine.json"
+    write_json(run_engine_bench(tiny_config(tiny_moe, out)), out)
+    return json.loads(out.read_text())
+
+
+def test_json_has_the_schema_keys(bench_json: dict) -> None:
+    assert TOP_KEYS <= bench_json.keys()
+    assert TOKENMILL_KEYS <= bench_json["tokenmill"].keys()
+    assert HF_KEYS <= bench_json["hf"].keys()
+    assert FLOOR_KEYS <= bench_json["floor"].keys()
+
+
+def test_figures_are_positive(bench_json: dict) -> None:
+    for section, keys in (("tokenmill", TOKENMILL_KEYS - {"preemptions"}), ("hf", HF_KEYS),
+                          ("floor", FLOOR_KEYS)):
+        for key in keys:
+            assert bench_json[section][key] > 0, f"{section}.{key}"
+    assert bench_json["ratio"] > 0
+
+
+def test_output_tokens_equal_the_requested_totals(bench_json: dict, tiny_moe: Path) -> None:
+    cfg = tiny_config(tiny_moe, Path("unused.json"))
+    workload = make_workload(cfg, load_model_config(tiny_moe).vocab_size, frozenset())
+    assert bench_json["tokenmill"]["output_tokens"] == bench_json["workload"]["output_tokens"]
+    assert bench_json["workload"]["output_tokens"] == sum(workload.output_lens)
+    hf = bench_json["hf"]
+    assert hf["requests_run"] == 2 and hf["requests_total"] == 6
+    assert hf["useful_output_tokens"] == sum(workload.output_lens[:2])
+    assert hf["generated_tokens"] >= hf["useful_output_tokens"]
+
+
+def test_workload_is_seeded_and_in_range(tiny_moe: Path) -> None:
+    cfg = tiny_config(tiny_moe, Path("unused.json"))
+    a = make_workload(cfg, 512, frozenset({0, 1, 2}))
+    assert a == make_workload(cfg, 512, frozenset({0, 1, 2}))
+    assert all(4 <= len(p) <= 24 for p in a.prompts) and all(2 <= n <= 8 for n in a.output_lens)
+    assert not {0, 1, 2} & {t for p in a.prompts for t in p}
+
+
+def test_expert_bytes_grow_with_batch_up_to_all_experts(tiny_moe: Path) -> None:
+    assert expected_experts_touched(16, 2, 1) == pytest.approx(2.0)
+    assert expected_experts_touched(16, 2, 1000) == pytest.approx(16.0)
+    cfg = load_model_config(tiny_moe)
+    assert decode_weight_bytes(cfg, 1, 4) < decode_weight_bytes(cfg, 64, 4)
+
+
+def test_cli_bad_model_exits_nonzero_naming_the_field(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.ERROR):
+        rc = main(["bench", "engine", "--model", str(tmp_path / "missing"), "--json", str(tmp_path / "o.json")])
+    assert rc != 0
+    assert "--model" in caplog.text and "config.json" in caplog.text
+    assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"min_prompt": 30, "max_prompt": 10}, "--max-prompt"),
+    ({"num_requests": 0}, "--num-requests"),
+    ({"hf_max_requests": 0}, "--hf-max-requests"),
+    ({"dtype": "int8"}, "--dtype"),
+])
+def test_bad_config_names_the_field(tiny_moe: Path, overrides: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        tiny_config(tiny_moe, Path("unused.json"), **overrides)
+
+
+def test_workload_longer_than_the_context_is_refused(tiny_moe: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--max-prompt"):
+        run_engine_bench(tiny_config(tiny_moe, tmp_path / "o.json", min_prompt=8, max_prompt=4000,
+                                     min_output=8, max_output=4000, skip_hf=True))
