@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.engine import kernels
+
 
 @dataclass(slots=True)
 class SeqSpan:
@@ -22,9 +24,18 @@ class SeqSpan:
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    """Single-token queries, served by the native kernel straight from the blocks."""
+    rows: torch.Tensor  # int64 [n]: their rows in the flattened step
+    block_table: torch.Tensor  # int64 [n, max_blocks], padded with 0
+    context_lens: torch.Tensor  # int64 [n]
+
+
+@dataclass(slots=True)
 class AttentionBatch:
     slot_mapping: torch.Tensor  # int64 [tokens]: cache slot (block*block_size+offset) per new token
-    spans: list[SeqSpan]
+    spans: list[SeqSpan]  # sequences computed with PyTorch's attention
+    decode: DecodeBatch | None = None
 
 
 def allocate_kv_cache(
@@ -49,6 +60,11 @@ def paged_attention(
     to its own sequence's cached context."""
     tokens, heads, dim = q.shape
     out = q.new_empty(tokens, heads, dim)
+    if batch.decode is not None:
+        d = batch.decode
+        res = kernels.paged_decode_attention(q.index_select(0, d.rows), kv_layer[0], kv_layer[1],
+                                             d.block_table, d.context_lens, scale)
+        out.index_copy_(0, d.rows, res.to(q.dtype))
     for span in batch.spans:
         k, v = _gather_context(kv_layer, span)
         rows = slice(span.query_start, span.query_start + span.query_len)

@@ -10,7 +10,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tokenmill.engine.attention import AttentionBatch, SeqSpan, allocate_kv_cache
+from tokenmill.engine import kernels
+from tokenmill.engine.attention import AttentionBatch, DecodeBatch, SeqSpan, allocate_kv_cache
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.transformer import CausalLM
 from tokenmill.engine.sampling import SampleRow, TokenLogprob, sample
@@ -34,6 +35,8 @@ class TorchModelRunner:
         self.kv_cache = allocate_kv_cache(cfg.num_layers, num_blocks, block_size,
                                           cfg.num_kv_heads, cfg.head_dim, dtype)
         self.generator = torch.Generator().manual_seed(seed)
+        self.native_decode = dtype in (torch.float32, torch.bfloat16) and cfg.head_dim <= kernels.MAX_HEAD_DIM \
+            and kernels.available()
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
         input_ids, positions, batch, logits_rows = self._prepare(out, kv)
@@ -49,18 +52,32 @@ class TorchModelRunner:
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         spans: list[SeqSpan] = []
+        decodes: list[tuple[int, np.ndarray, int]] = []  # (row, blocks, context length)
         logits_rows: list[int] = []
         bs = self.block_size
         for seq in out.seqs:
             end = seq.start + seq.num_tokens
             blocks = np.asarray(kv.block_ids(seq.request.request_id)[: -(-end // bs)], dtype=np.int64)
             pos = np.arange(seq.start, end, dtype=np.int64)
-            spans.append(SeqSpan(len(ids), seq.num_tokens, end, torch.from_numpy(blocks)))
+            if seq.num_tokens == 1 and self.native_decode:
+                decodes.append((len(ids), blocks, end))
+            else:
+                spans.append(SeqSpan(len(ids), seq.num_tokens, end, torch.from_numpy(blocks)))
             ids.extend(seq.request.token_ids[seq.start:end])
             positions.append(pos)
             slots.append(blocks[pos // bs] * bs + pos % bs)
             if seq.samples:
                 logits_rows.append(len(ids) - 1)
-        batch = AttentionBatch(torch.from_numpy(np.concatenate(slots)), spans)
+        batch = AttentionBatch(torch.from_numpy(np.concatenate(slots)), spans, _decode_batch(decodes))
         return (torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)),
                 batch, torch.tensor(logits_rows, dtype=torch.long))
+
+
+def _decode_batch(decodes: list[tuple[int, np.ndarray, int]]) -> DecodeBatch | None:
+    if not decodes:
+        return None
+    table = np.zeros((len(decodes), max(len(b) for _, b, _ in decodes)), dtype=np.int64)
+    for i, (_, blocks, _) in enumerate(decodes):
+        table[i, :len(blocks)] = blocks
+    return DecodeBatch(torch.tensor([r for r, _, _ in decodes], dtype=torch.long), torch.from_numpy(table),
+                       torch.tensor([n for _, _, n in decodes], dtype=torch.long))

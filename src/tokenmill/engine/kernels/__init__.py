@@ -1,0 +1,92 @@
+"""Native CPU kernels, compiled from C at first use and called through ctypes.
+
+The shared library is built with the system C compiler into a per-user cache
+keyed by the source's hash, so a changed kernel is rebuilt and concurrent
+processes never load a half-written file. If no compiler is available the
+engine falls back to its pure-PyTorch path (`available()` is False).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.c")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11"]
+MAX_HEAD_DIM = 256
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TOKENMILL_KERNEL_CACHE") or Path.home() / ".cache" / "tokenmill" / "kernels"
+    return Path(root)
+
+
+def _build() -> Path:
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention-{digest}.so"
+    if target.is_file():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler found (set CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = Path(tmp) / target.name
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(partial), "-lm"],
+                       check=True, capture_output=True, text=True)
+        os.replace(partial, target)  # atomic: another process sees all of it or nothing
+    log.info("built native attention kernel %s", target)
+    return target
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("TOKENMILL_DISABLE_KERNELS"):
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("native attention kernel unavailable, using the PyTorch path: %s", detail)
+        return None
+    args = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+    for name in ("paged_decode_attention_bf16", "paged_decode_attention_f32"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D]; k/v_cache [blocks, block_size, KVH, D] (contiguous, same dtype as q);
+    block_tables [B, max_blocks] int64; context_lens [B] int64 -> [B, H, D] float32."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("native kernels are not available")
+    fn = {torch.bfloat16: lib.paged_decode_attention_bf16, torch.float32: lib.paged_decode_attention_f32}[q.dtype]
+    b, h, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    if d > MAX_HEAD_DIM or h % kvh:
+        raise ValueError(f"unsupported attention shape: heads {h}, kv heads {kvh}, head_dim {d}")
+    q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+    out = torch.empty(b, h, d, dtype=torch.float32)
+    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            context_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1], scale)
+    if rc != 0:
+        raise MemoryError("native attention kernel could not allocate its scratch buffers")
+    return out
