@@ -1,0 +1,132 @@
+"""An asyncio front for `LLMEngine`: the engine steps on its own thread, and every
+request gets an async stream of `RequestOutput` deltas.
+
+All engine calls happen on the engine thread; coroutines hand it commands through
+a thread-safe queue and get their results back through futures, so the engine
+itself needs no locks. A consumer that stops reading (client gone, task
+cancelled) aborts its request, which frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from tokenmill.engine.llm_engine import EngineStats, LLMEngine
+from tokenmill.engine.request import FINISH_ERROR, RequestOutput
+from tokenmill.engine.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+_Command = tuple[Callable[[], Any], concurrent.futures.Future]
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       extra_key: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's deltas; raises ValueError (from validation) before the first."""
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = stream
+        try:
+            await self._call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, extra_key))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        return bool(await self._call(lambda: self.engine.abort(request_id)))
+
+    async def stats(self) -> EngineStats:
+        return await self._call(self.engine.stats)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread (for admin and inspection)."""
+        return await self._call(lambda: fn(self.engine))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return future
+
+    # -- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # a failed step must not leave streams waiting forever
+                log.exception("engine step failed; failing every in-flight request")
+                outputs = self._fail_all()
+            for out in outputs:
+                self._deliver(out)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._execute(fn, future)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    @staticmethod
+    def _execute(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(fn())
+        except Exception as exc:
+            future.set_exception(exc)
+
+    def _fail_all(self) -> list[RequestOutput]:
+        failed = []
+        for request_id, request in list(self.engine.requests.items()):
+            self.engine.abort(request_id)
+            failed.append(RequestOutput(request_id, [], "", True, FINISH_ERROR, request.num_prompt_tokens,
+                                        len(request.output_token_ids), request.num_cached_tokens))
+        return failed
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(stream.put_nowait, out)
