@@ -1,0 +1,55 @@
+"""What the HTTP layer needs from whatever serves tokens behind it.
+
+`LocalBackend` (one in-process engine) and the distributed backend (worker
+processes over the request plane) both implement `Backend`; the FastAPI app only
+ever sees this interface.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from tokenmill.engine.request import RequestOutput
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.tokenizer import Tokenizer
+
+
+class Overloaded(Exception):
+    """Every worker queue is full: the client should retry after `retry_after` seconds."""
+
+    def __init__(self, retry_after: float, message: str = "all workers are at their queue limit") -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class BackendUnavailable(Exception):
+    """No worker can take the request (none registered, or all failed); a 503."""
+
+
+class Backend(Protocol):
+    model_name: str
+    max_model_len: int
+    tokenizer: Tokenizer
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream deltas until one has `finished`; its `finish_reason` is stop/length/abort/error.
+
+        Raises ValueError (a client mistake, message names the field) or `Overloaded`
+        before the first delta. `deadline` is a `time.monotonic()` instant after which
+        the request is aborted and finishes with reason "abort". Closing the iterator
+        early aborts the request and frees its KV.
+        """
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def healthy(self) -> bool:
+        """True when at least one worker can serve."""
+        ...
+
+    def metrics_snapshot(self) -> dict[str, float]:
+        """Gauges for /metrics: per-worker KV usage, prefix hit rate, queue depth (flat names)."""
+        ...
