@@ -46,12 +46,13 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       extra_key: str | None = None) -> AsyncIterator[RequestOutput]:
+                       extra_key: str | None = None, output_offset: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream the request's deltas; raises ValueError (from validation) before the first."""
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = stream
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, extra_key))
+            await self._call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, extra_key,
+                                                             output_offset))
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -91,7 +91,9 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    extra_key: str | None = None) -> None:
+                    extra_key: str | None = None, output_offset: int = 0) -> None:
+        """Queue a request. `output_offset` continues a migrated request: its prompt already
+        ends with that many generated tokens, and seeded sampling resumes at that index."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         if request_id in self.requests:
@@ -99,7 +101,7 @@ class LLMEngine:
         self._validate_prompt(prompt_token_ids)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer")
-        request = Request(request_id, list(prompt_token_ids), params, extra_key)
+        request = Request(request_id, list(prompt_token_ids), params, extra_key, output_offset)
         self.requests[request_id] = request
         self.output.add(request)
         self.scheduler.add(request)

@@ -24,6 +24,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     extra_key: str | None = None  # namespace for prefix caching (LoRA, cache salt)
+    output_offset: int = 0  # tokens generated elsewhere before this (a migrated request's seed stream)
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)  # prompt + output, grows by one per step
     output_token_ids: list[int] = field(default_factory=list)
