@@ -16,6 +16,9 @@ import sys
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("make-model", "tokenmill.engine.make_model", "write a small random-weight HF-format checkpoint"),
     ("generate", "tokenmill.engine.generate_cli", "generate text in-process with the embedded engine"),
+    ("serve", "tokenmill.frontend.serve_command", "serve the OpenAI API: one frontend and N worker processes"),
+    ("worker", "tokenmill.worker.main", "run one worker process (for multi-host deployments)"),
+    ("frontend", "tokenmill.frontend.frontend_command", "run the HTTP frontend alone, finding workers via discovery"),
     ("bench", "tokenmill.bench.cli", "benchmarks that print a table and write JSON"),
     ("sim", "tokenmill.sim.cli", "performance simulator and deployment search"),
 )

@@ -1,0 +1,62 @@
+"""Engine knobs as command-line flags, shared by every command that starts an engine."""
+from __future__ import annotations
+
+import argparse
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.mock_runner import StepTimeModel
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", required=True, help="checkpoint directory (HF format)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    g.add_argument("--kv-cache-blocks", type=int, default=None, help="device KV pool size in blocks")
+    g.add_argument("--kv-cache-gb", type=float, default=None, help="device KV pool size in GiB")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--runner", default="torch", choices=["torch", "mock"])
+    g.add_argument("--mock-step-time", default=None, metavar="A,B,C,D",
+                   help="mock runner seconds = A + B*prefill_tokens + C*decode_seqs + D*kv_tokens_read")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0") -> EngineConfig:
+    """Raises ValueError naming the flag for bad values."""
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, threads=args.threads, block_size=args.block_size,
+        num_kv_blocks=args.kv_cache_blocks, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, runner=args.runner,
+        mock_step_time=parse_step_time(args.mock_step_time), seed=args.seed, worker_id=worker_id,
+    )
+
+
+def parse_step_time(text: str | None) -> StepTimeModel:
+    if text is None:
+        return StepTimeModel()
+    try:
+        a, b, c, d = (float(x) for x in text.split(","))
+    except ValueError as exc:
+        raise ValueError(f"--mock-step-time must be four numbers A,B,C,D, got {text!r}") from exc
+    return StepTimeModel(a, b, c, d)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The same knobs as flags again, to pass through to worker processes."""
+    argv = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--runner", args.runner, "--seed", str(args.seed)]
+    optional = {"--threads": args.threads, "--kv-cache-blocks": args.kv_cache_blocks,
+                "--kv-cache-gb": args.kv_cache_gb, "--max-model-len": args.max_model_len,
+                "--mock-step-time": args.mock_step_time}
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    return argv

@@ -1,0 +1,157 @@
+"""The frontend's request orchestration over worker processes (aggregated serving).
+
+A request goes to a worker and its token frames are streamed back. If the worker
+dies mid-stream, the request is re-issued to another worker with the prompt plus
+the tokens generated so far (and the remaining budget), so the client sees one
+unbroken stream; after `max_migrations` it ends with an error. Every request has a
+deadline; closing the stream early aborts it on the worker, freeing its KV.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tokenmill.engine.request import FINISH_ABORT, FINISH_ERROR, RequestOutput
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.frontend.backend import BackendUnavailable, Overloaded
+from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool
+from tokenmill.runtime import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What the client has received so far, across migrations."""
+    prompt: list[int]
+    params: SamplingParams
+    generated: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None
+    migrations: int = 0
+    finished: bool = False
+
+
+class DistributedBackend:
+    def __init__(self, pool: WorkerPool, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+                 max_migrations: int = 3, default_timeout_s: float = 600.0) -> None:
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.max_migrations = max_migrations
+        self.default_timeout_s = default_timeout_s
+        self.migrations_total = 0
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+
+    def healthy(self) -> bool:
+        return bool(self.pool.connections)
+
+    def metrics_snapshot(self) -> dict[str, float]:
+        snap: dict[str, float] = {"tokenmill_workers": float(len(self.pool.connections)),
+                                  "tokenmill_request_migrations_total": float(self.migrations_total)}
+        for conn in self.pool.connections.values():
+            for key in ("kv_usage", "prefix_hit_rate", "num_waiting", "num_running"):
+                if key in conn.load:
+                    snap[f'tokenmill_worker_{key}{{worker="{conn.worker_id}"}}'] = float(conn.load[key])
+        return snap
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        progress = _Progress(list(prompt_token_ids), params)
+        deadline = deadline or time.monotonic() + self.default_timeout_s
+        excluded: set[str] = set()
+        while not progress.finished:
+            conn = self._pick(progress, excluded) if progress.migrations <= self.max_migrations else None
+            if conn is None:
+                yield self._final(request_id, progress, FINISH_ERROR)
+                return
+            async for out in self._attempt(conn, request_id, progress, deadline, excluded):
+                yield out
+
+    def _pick(self, progress: _Progress, excluded: set[str]) -> WorkerConnection | None:
+        conn = self.pool.pick(excluded)
+        if conn is not None or progress.generated or progress.migrations:
+            return conn
+        if excluded:
+            raise Overloaded(retry_after=1.0)
+        raise BackendUnavailable("no worker is available")
+
+    async def _attempt(self, conn: WorkerConnection, request_id: str, progress: _Progress,
+                       deadline: float, excluded: set[str]) -> AsyncIterator[RequestOutput]:
+        queue = conn.open_stream(request_id)
+        worker_done = False  # the worker has ended this attempt itself; no abort needed
+        try:
+            conn.send(self._generate_message(request_id, progress, deadline))
+            while not progress.finished:
+                msg = await self._next(queue, deadline)
+                if msg is None:  # deadline passed
+                    yield self._final(request_id, progress, FINISH_ABORT)
+                elif msg is LOST or (msg["type"] == p.ERROR and msg.get("code") == p.INTERNAL):
+                    worker_done = True
+                    self._note_migration(conn, progress, excluded)
+                    return
+                elif msg["type"] == p.ERROR:
+                    worker_done = True
+                    self._raise_for_error(msg, conn, progress, excluded)
+                    return
+                else:
+                    out = self._account(p.output_from_wire(msg), progress)
+                    worker_done = progress.finished = out.finished
+                    yield out
+        finally:
+            conn.close_stream(request_id)
+            if not worker_done and conn.worker_id in self.pool.connections:
+                conn.send({"type": p.ABORT, "request_id": request_id})
+
+    def _generate_message(self, request_id: str, progress: _Progress, deadline: float) -> dict:
+        remaining = dataclasses.replace(progress.params,
+                                        max_tokens=progress.params.max_tokens - len(progress.generated))
+        return p.generate_message(request_id, progress.prompt + progress.generated, remaining, None,
+                                  len(progress.generated), max(0.0, deadline - time.monotonic()))
+
+    @staticmethod
+    async def _next(queue: asyncio.Queue, deadline: float) -> dict | None:
+        try:
+            return await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return None
+
+    def _note_migration(self, conn: WorkerConnection, progress: _Progress, excluded: set[str]) -> None:
+        progress.migrations += 1
+        self.migrations_total += 1
+        excluded.add(conn.worker_id)
+        log.warning("migrating a request off worker %s after %d tokens", conn.worker_id, len(progress.generated))
+
+    def _raise_for_error(self, msg: dict, conn: WorkerConnection, progress: _Progress, excluded: set[str]) -> None:
+        if msg.get("code") == p.OVERLOADED:
+            excluded.add(conn.worker_id)
+            return
+        if not progress.generated:
+            raise ValueError(str(msg.get("message", "invalid request")))
+        self._note_migration(conn, progress, excluded)
+
+    @staticmethod
+    def _account(out: RequestOutput, progress: _Progress) -> RequestOutput:
+        """Report counts relative to the client's request, not to this attempt."""
+        if progress.num_cached_tokens is None:
+            progress.num_cached_tokens = out.num_cached_tokens
+        progress.generated.extend(out.new_token_ids)
+        return dataclasses.replace(out, num_prompt_tokens=len(progress.prompt),
+                                   num_output_tokens=len(progress.generated),
+                                   num_cached_tokens=progress.num_cached_tokens)
+
+    @staticmethod
+    def _final(request_id: str, progress: _Progress, reason: str) -> RequestOutput:
+        progress.finished = True
+        return RequestOutput(request_id, [], "", True, reason, len(progress.prompt), len(progress.generated),
+                             progress.num_cached_tokens or 0)

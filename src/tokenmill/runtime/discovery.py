@@ -1,0 +1,139 @@
+"""Discovery: which workers exist, where they listen, and whether they are alive.
+
+Backends: `MemoryDiscovery` (one process, for tests) and `FileDiscovery` (a registry
+directory shared by processes on one host, refreshed by heartbeats). Both satisfy
+`Discovery`, which an etcd backend (leases for liveness, a key prefix for the
+registry) can implement later without changing callers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+DEFAULT_TTL_S = 1.5
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    worker_id: str
+    address: str  # where its request socket listens (ipc:// or tcp://)
+    role: str = "agg"
+    model: str = ""
+    pid: int = 0
+    host: str = ""
+    incarnation: str = ""  # changes whenever the worker restarts
+    heartbeat_at: float = 0.0  # time.time() of the last heartbeat
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class Discovery(Protocol):
+    def register(self, info: WorkerInfo) -> None: ...
+
+    def heartbeat(self, worker_id: str, metadata: dict[str, Any] | None = None) -> None: ...
+
+    def unregister(self, worker_id: str) -> None: ...
+
+    def workers(self) -> list[WorkerInfo]:
+        """Live workers only (heartbeat within the TTL)."""
+        ...
+
+
+class MemoryDiscovery:
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._workers: dict[str, WorkerInfo] = {}
+        self._lock = threading.Lock()
+
+    def register(self, info: WorkerInfo) -> None:
+        with self._lock:
+            info.heartbeat_at = time.time()
+            self._workers[info.worker_id] = info
+
+    def heartbeat(self, worker_id: str, metadata: dict[str, Any] | None = None) -> None:
+        with self._lock:
+            info = self._workers.get(worker_id)
+            if info is not None:
+                info.heartbeat_at = time.time()
+                info.metadata.update(metadata or {})
+
+    def unregister(self, worker_id: str) -> None:
+        with self._lock:
+            self._workers.pop(worker_id, None)
+
+    def workers(self) -> list[WorkerInfo]:
+        now = time.time()
+        with self._lock:
+            return [w for w in self._workers.values() if now - w.heartbeat_at <= self.ttl_s]
+
+
+class FileDiscovery:
+    """One JSON file per worker in `directory`, rewritten atomically on each heartbeat."""
+
+    def __init__(self, directory: str | Path, ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.ttl_s = ttl_s
+        self._mine: dict[str, WorkerInfo] = {}
+
+    def register(self, info: WorkerInfo) -> None:
+        self._mine[info.worker_id] = info
+        self._write(info)
+
+    def heartbeat(self, worker_id: str, metadata: dict[str, Any] | None = None) -> None:
+        info = self._mine.get(worker_id)
+        if info is not None:
+            info.metadata.update(metadata or {})
+            self._write(info)
+
+    def unregister(self, worker_id: str) -> None:
+        self._mine.pop(worker_id, None)
+        (self.directory / f"{worker_id}.json").unlink(missing_ok=True)
+
+    def workers(self) -> list[WorkerInfo]:
+        now, out = time.time(), []
+        for path in self.directory.glob("*.json"):
+            info = _read(path)
+            if info is not None and now - info.heartbeat_at <= self.ttl_s and _pid_alive(info):
+                out.append(info)
+        return out
+
+    def _write(self, info: WorkerInfo) -> None:
+        info.heartbeat_at = time.time()
+        tmp = self.directory / f".{info.worker_id}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(asdict(info)))
+        os.replace(tmp, self.directory / f"{info.worker_id}.json")
+
+
+def _read(path: Path) -> WorkerInfo | None:
+    try:
+        return WorkerInfo(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None  # being replaced, or not ours
+
+
+def _pid_alive(info: WorkerInfo) -> bool:
+    """On this host a dead PID means a dead worker, whatever its last heartbeat said."""
+    if info.host != os.uname().nodename or info.pid <= 0:
+        return True
+    try:
+        os.kill(info.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def discovery_from_url(url: str) -> Discovery:
+    """`file:DIR` or `memory:` (this process only)."""
+    scheme, _, rest = url.partition(":")
+    if scheme == "file" and rest:
+        return FileDiscovery(rest)
+    if scheme == "memory":
+        return MemoryDiscovery()
+    raise ValueError(f"--discovery must be file:DIR or memory:, got {url!r}")

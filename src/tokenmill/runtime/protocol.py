@@ -1,0 +1,90 @@
+"""The request plane's wire protocol: msgpack maps over ZeroMQ, never pickle.
+
+Every message carries `type`; every request-scoped message carries `request_id`.
+A token stream ends with a frame whose `finish_reason` says why
+(stop, length, abort, error).
+
+frontend -> worker: hello, generate, abort
+worker -> frontend: tokens, error, heartbeat
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+
+from tokenmill.engine.request import RequestOutput
+from tokenmill.engine.sampling import SamplingParams, TokenLogprob
+
+HELLO, GENERATE, ABORT = "hello", "generate", "abort"
+TOKENS, ERROR, HEARTBEAT = "tokens", "error", "heartbeat"
+
+# error codes a worker may answer a generate with
+INVALID_REQUEST, OVERLOADED, INTERNAL = "invalid_request", "overloaded", "internal"
+
+
+class ProtocolError(ValueError):
+    """A frame that is not valid msgpack or lacks a required field."""
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(frame: bytes) -> dict[str, Any]:
+    try:
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
+        raise ProtocolError(f"undecodable frame: {exc}") from exc
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+        raise ProtocolError("a frame must be a map with a string 'type'")
+    return message
+
+
+def generate_message(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     extra_key: str | None, output_offset: int, timeout_s: float | None) -> dict[str, Any]:
+    return {"type": GENERATE, "request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
+            "params": dataclasses.asdict(params), "extra_key": extra_key,
+            "output_offset": output_offset, "timeout_s": timeout_s}
+
+
+def params_from_wire(raw: Any) -> SamplingParams:
+    """Rebuild (and so re-validate) sampling parameters; ValueError on anything odd."""
+    if not isinstance(raw, dict):
+        raise ValueError("params must be a map")
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"unknown sampling parameters: {sorted(unknown)}")
+    try:
+        return SamplingParams(**raw)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def tokens_message(out: RequestOutput) -> dict[str, Any]:
+    return {"type": TOKENS, "request_id": out.request_id, "token_ids": out.new_token_ids,
+            "text": out.new_text, "finished": out.finished, "finish_reason": out.finish_reason,
+            "num_prompt_tokens": out.num_prompt_tokens, "num_output_tokens": out.num_output_tokens,
+            "num_cached_tokens": out.num_cached_tokens, "stop_reason": out.stop_reason,
+            "logprobs": [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.new_logprobs]}
+
+
+def output_from_wire(msg: dict[str, Any]) -> RequestOutput:
+    try:
+        return RequestOutput(
+            request_id=msg["request_id"], new_token_ids=list(msg["token_ids"]), new_text=msg["text"],
+            finished=bool(msg["finished"]), finish_reason=msg["finish_reason"],
+            num_prompt_tokens=int(msg["num_prompt_tokens"]), num_output_tokens=int(msg["num_output_tokens"]),
+            num_cached_tokens=int(msg["num_cached_tokens"]),
+            new_logprobs=[TokenLogprob(t, lp, [(int(i), float(v)) for i, v in top])
+                          for t, lp, top in msg.get("logprobs") or []],
+            stop_reason=msg.get("stop_reason"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed tokens frame: {exc}") from exc
+
+
+def error_message(request_id: str, code: str, message: str) -> dict[str, Any]:
+    return {"type": ERROR, "request_id": request_id, "code": code, "message": message}

@@ -1,0 +1,90 @@
+"""Process supervision for the embedded deployment: start children, restart the ones
+that crash, stop them all on shutdown."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChildSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Child:
+    spec: ChildSpec
+    process: subprocess.Popen
+    restarts: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+class Supervisor:
+    """Keeps one process per spec running; `on_exit(name)` is told the moment one dies."""
+
+    def __init__(self, specs: list[ChildSpec], on_exit: Callable[[str], None] | None = None,
+                 restart: bool = True, max_restarts: int = 5) -> None:
+        self.specs = specs
+        self.on_exit = on_exit
+        self.restart = restart
+        self.max_restarts = max_restarts
+        self.children: dict[str, _Child] = {}
+        self._stopping = False
+
+    def start(self) -> None:
+        for spec in self.specs:
+            self.children[spec.name] = _Child(spec, self._spawn(spec))
+
+    def pid(self, name: str) -> int:
+        return self.children[name].process.pid
+
+    async def watch(self, interval_s: float = 0.1) -> None:
+        while not self._stopping:
+            for child in list(self.children.values()):
+                code = child.process.poll()
+                if code is not None and not self._stopping:
+                    self._handle_exit(child, code)
+            await asyncio.sleep(interval_s)
+
+    def _handle_exit(self, child: _Child, code: int) -> None:
+        name = child.spec.name
+        log.error("%s exited with code %s", name, code)
+        if self.on_exit is not None:
+            self.on_exit(name)
+        if not self.restart or child.restarts >= self.max_restarts:
+            log.error("%s will not be restarted (%d restarts so far)", name, child.restarts)
+            del self.children[name]
+            return
+        child.restarts += 1
+        child.process = self._spawn(child.spec)
+        child.started_at = time.monotonic()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM every child, then SIGKILL whatever is still alive after `timeout_s`."""
+        self._stopping = True
+        for child in self.children.values():
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children.values():
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", child.spec.name)
+                child.process.kill()
+                child.process.wait()
+
+    @staticmethod
+    def _spawn(spec: ChildSpec) -> subprocess.Popen:
+        log.info("starting %s", spec.name)
+        return subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, start_new_session=True)

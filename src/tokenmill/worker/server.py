@@ -1,0 +1,184 @@
+"""One worker process: an engine behind a ZeroMQ ROUTER socket.
+
+Frontends connect DEALER sockets and send `hello`, `generate` and `abort` frames;
+the worker streams `tokens` frames back and sends every known peer a `heartbeat`
+(with its load) twice a second, so a frontend notices a dead worker quickly even
+without a shared registry. A generate beyond the queue limit is answered with an
+`overloaded` error, a bad one with `invalid_request`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.request import FINISH_ABORT, RequestOutput
+from tokenmill.runtime import protocol as p
+from tokenmill.runtime.discovery import Discovery, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+@dataclass(slots=True)
+class WorkerSettings:
+    worker_id: str
+    address: str  # ipc:// or tcp:// to bind
+    model_name: str
+    role: str = "agg"
+    max_queue: int | None = None  # requests allowed to wait beyond a full running batch
+    parent_pid: int | None = None  # exit when this process (the supervisor) is gone
+
+
+class WorkerServer:
+    def __init__(self, engine: AsyncLLMEngine, settings: WorkerSettings, discovery: Discovery) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.discovery = discovery
+        self.ctx = zmq.asyncio.Context.instance()
+        self.socket = self.ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.peers: set[bytes] = set()
+        self.tasks: dict[str, asyncio.Task] = {}
+        self._stopping = asyncio.Event()
+
+    def bind(self) -> str:
+        address = self.settings.address
+        if address.endswith(":0"):
+            port = self.socket.bind_to_random_port(address.rsplit(":", 1)[0])
+            address = f"{address.rsplit(':', 1)[0]}:{port}"
+        else:
+            self.socket.bind(address)
+        self.settings.address = address
+        return address
+
+    async def serve(self) -> None:
+        await self.engine.start()
+        self.discovery.register(self._info())
+        heartbeat = asyncio.create_task(self._heartbeat_loop())
+        try:
+            await self._receive_loop()
+        finally:
+            heartbeat.cancel()
+            self.discovery.unregister(self.settings.worker_id)
+            for task in list(self.tasks.values()):
+                task.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            await self.engine.stop()
+            self.socket.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _info(self) -> WorkerInfo:
+        engine = self.engine.engine
+        return WorkerInfo(
+            worker_id=self.settings.worker_id, address=self.settings.address, role=self.settings.role,
+            model=self.settings.model_name, pid=os.getpid(), host=os.uname().nodename,
+            incarnation=uuid.uuid4().hex, metadata={"max_model_len": engine.max_model_len,
+                                                    "block_size": engine.config.block_size, **self._load()},
+        )
+
+    def _load(self) -> dict[str, float]:
+        stats = self.engine.engine.stats()  # plain reads of counters; safe from this thread
+        return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                "kv_usage": stats.kv_usage, "prefix_hit_rate": stats.prefix_hit_rate,
+                "in_flight": len(self.tasks)}
+
+    async def _receive_loop(self) -> None:
+        stop = asyncio.create_task(self._stopping.wait())
+        while not self._stopping.is_set():
+            recv = asyncio.ensure_future(self.socket.recv_multipart())
+            done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if recv not in done:
+                recv.cancel()
+                break
+            frames = recv.result()
+            if len(frames) != 2:
+                continue
+            self._dispatch(frames[0], frames[1])
+
+    def _dispatch(self, peer: bytes, frame: bytes) -> None:
+        self.peers.add(peer)
+        try:
+            msg = p.unpack(frame)
+        except p.ProtocolError as exc:
+            log.warning("dropping frame from %r: %s", peer, exc)
+            return
+        kind = msg["type"]
+        if kind == p.GENERATE:
+            self._start_generate(peer, msg)
+        elif kind == p.ABORT:
+            task = self.tasks.get(str(msg.get("request_id")))
+            if task is not None:
+                task.cancel()
+
+    def _start_generate(self, peer: bytes, msg: dict) -> None:
+        request_id = str(msg.get("request_id", ""))
+        if not request_id or request_id in self.tasks:
+            self._send(peer, p.error_message(request_id, p.INVALID_REQUEST, "request_id missing or in use"))
+            return
+        limit = self.settings.max_queue
+        # Counted here, not from engine stats, which lag behind requests still being handed over.
+        if limit is not None and len(self.tasks) >= self.engine.engine.config.max_num_seqs + limit:
+            self._send(peer, p.error_message(request_id, p.OVERLOADED, "worker queue is full"))
+            return
+        self.tasks[request_id] = asyncio.create_task(self._generate(peer, request_id, msg))
+
+    async def _generate(self, peer: bytes, request_id: str, msg: dict) -> None:
+        deadline = time.monotonic() + msg["timeout_s"] if msg.get("timeout_s") else None
+        last: RequestOutput | None = None
+        try:
+            params = p.params_from_wire(msg.get("params"))
+            stream = self.engine.generate(request_id, list(msg.get("prompt_token_ids") or []), params,
+                                          msg.get("extra_key"), int(msg.get("output_offset") or 0))
+            async with asyncio.timeout_at(_loop_deadline(deadline)):
+                async for out in stream:
+                    last = out
+                    self._send(peer, p.tokens_message(out))
+        except ValueError as exc:
+            self._send(peer, p.error_message(request_id, p.INVALID_REQUEST, str(exc)))
+        except (TimeoutError, asyncio.CancelledError):
+            self._send_abort(peer, request_id, last)
+        except Exception as exc:  # an engine failure is this request's error, not the worker's death
+            log.exception("request %s failed", request_id)
+            self._send(peer, p.error_message(request_id, p.INTERNAL, f"worker error: {exc}"))
+        finally:
+            self.tasks.pop(request_id, None)
+
+    def _send_abort(self, peer: bytes, request_id: str, last: RequestOutput | None) -> None:
+        done = last.num_output_tokens if last else 0
+        prompt = last.num_prompt_tokens if last else 0
+        cached = last.num_cached_tokens if last else 0
+        self._send(peer, p.tokens_message(RequestOutput(request_id, [], "", True, FINISH_ABORT, prompt, done, cached)))
+
+    def _send(self, peer: bytes, message: dict) -> None:
+        try:
+            self.socket.send_multipart([peer, p.pack(message)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: the frontend times out and retries
+            log.debug("could not send to %r: %s", peer, exc)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            if self.settings.parent_pid is not None and os.getppid() != self.settings.parent_pid:
+                log.error("supervisor %d is gone; stopping", self.settings.parent_pid)
+                self.stop()
+            load = self._load()
+            self.discovery.heartbeat(self.settings.worker_id, load)
+            beat = {"type": p.HEARTBEAT, "worker_id": self.settings.worker_id, "load": load}
+            for peer in list(self.peers):
+                self._send(peer, beat)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+
+def _loop_deadline(deadline: float | None) -> float | None:
+    """asyncio.timeout_at wants the event loop's clock; ours is time.monotonic, which it uses."""
+    return None if deadline is None else asyncio.get_running_loop().time() + (deadline - time.monotonic())
