@@ -1,0 +1,44 @@
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tokenmill.engine.request import RequestOutput
+from tokenmill.engine.sampling import SamplingParams, TokenLogprob
+from tokenmill.runtime import protocol as p
+
+
+def test_generate_round_trips_and_revalidates_params() -> None:
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=["x"], logprobs=2)
+    msg = p.unpack(p.pack(p.generate_message("r1", [1, 2, 3], params, "salt", 4, 2.5)))
+    assert msg["type"] == p.GENERATE and msg["prompt_token_ids"] == [1, 2, 3] and msg["output_offset"] == 4
+    assert p.params_from_wire(msg["params"]) == params
+    bad = dict(msg["params"], top_p=3.0)
+    with pytest.raises(ValueError, match="top_p"):
+        p.params_from_wire(bad)
+    with pytest.raises(ValueError, match="unknown sampling parameters"):
+        p.params_from_wire(dict(msg["params"], evil=1))
+
+
+def test_tokens_frame_round_trips() -> None:
+    out = RequestOutput("r", [5, 6], "hi", True, "stop", 10, 2, 4, [TokenLogprob(5, -0.1, [(5, -0.1), (9, -2.0)])], "x")
+    assert p.output_from_wire(p.unpack(p.pack(p.tokens_message(out)))) == out
+
+
+@given(st.binary(max_size=64))
+def test_garbage_frames_raise_protocol_error_not_crash(data: bytes) -> None:
+    try:
+        msg = p.unpack(data)
+    except p.ProtocolError:
+        return
+    assert isinstance(msg, dict) and isinstance(msg["type"], str)
+
+
+def test_pickle_is_never_accepted() -> None:
+    import pickle
+    with pytest.raises(p.ProtocolError):
+        p.unpack(pickle.dumps({"type": "generate"}))
+    with pytest.raises(p.ProtocolError):
+        p.unpack(msgpack.packb([1, 2]))
+    with pytest.raises(p.ProtocolError):
+        p.output_from_wire({"type": "tokens", "request_id": "r"})
