@@ -1,0 +1,83 @@
+"""The OpenAI-compatible HTTP app over any `Backend`.
+
+`create_app(backend, served_model_name)` wires the routes, the OpenAI error
+handlers and a per-app metrics registry. The app starts the backend when it starts
+and stops it when it stops, unless `manage_backend=False` (the caller owns it).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tokenmill.frontend.backend import Backend
+from tokenmill.frontend.body import DEFAULT_MAX_BODY_BYTES
+from tokenmill.frontend.errors import APIError, error_json, install_error_handlers
+from tokenmill.frontend.generation import ServingContext
+from tokenmill.frontend.metrics import FrontendMetrics
+from tokenmill.frontend.request_args import check_model
+from tokenmill.frontend.routes_chat import chat_router
+from tokenmill.frontend.routes_completions import completions_router
+from tokenmill.frontend.schema import ModelCard, ModelList
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+
+
+def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour: float | None = None,
+               request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, manage_backend: bool = True) -> FastAPI:
+    """`request_timeout_s` is every request's deadline (None: none); `usd_per_worker_hour` enables
+    the `tokenmill_cost_per_million_output_tokens_usd` gauge."""
+    metrics = FrontendMetrics(backend.metrics_snapshot, usd_per_worker_hour)
+    ctx = ServingContext(backend, metrics, served_model_name, request_timeout_s, max_body_bytes, int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_backend:
+            await backend.start()
+        try:
+            yield
+        finally:
+            if manage_backend:
+                await backend.stop()
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = ctx
+    install_error_handlers(app, metrics.count_http_error)
+    app.include_router(completions_router(ctx))
+    app.include_router(chat_router(ctx))
+    _add_service_routes(app, ctx)
+    return app
+
+
+def _model_card(ctx: ServingContext) -> ModelCard:
+    return ModelCard(id=ctx.served_model_name, created=ctx.created, max_model_len=ctx.backend.max_model_len)
+
+
+def _add_service_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(ModelList(data=[_model_card(ctx)]).model_dump(mode="json"))
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> JSONResponse:
+        check_model(model, ctx.served_model_name)
+        return JSONResponse(_model_card(ctx).model_dump(mode="json"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.backend.healthy():
+            return JSONResponse({"status": "ok"})
+        # Returned, not raised: a probe is not a request, so it stays out of the request metrics.
+        return error_json(APIError(503, "no worker can serve requests", "server_error", code="service_unavailable"))
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)

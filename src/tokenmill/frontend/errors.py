@@ -1,0 +1,140 @@
+"""OpenAI error objects and the FastAPI handlers that produce them.
+
+Every failure leaves as `{"error": {"message", "type", "param", "code"}}`. A client
+mistake is a 4xx naming the offending field (`param`); only our own faults are 5xx.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.frontend.backend import BackendUnavailable, Overloaded
+from tokenmill.frontend.schema import ErrorDetail, ErrorResponse
+
+log = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+# The SamplingParams / engine field names a ValueError message starts with.
+_ENGINE_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                            "logprobs", "prompt"})
+# pydantic names union members in error locations ("str", "list[int]", "TextContentPart"); they
+# are not part of the client's field path.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|.*[\[\]-].*|[A-Z].*)$")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = INVALID_REQUEST, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message=message, type=type_, param=param, code=code)
+        self.headers = headers or {}
+
+
+def invalid_param(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def error_body(detail: ErrorDetail) -> dict[str, Any]:
+    return ErrorResponse(error=detail).model_dump(mode="json")
+
+
+def error_json(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error.detail), status_code=error.status, headers=error.headers)
+
+
+def field_path(loc: Sequence[int | str]) -> str | None:
+    """('messages', 0, 'content') -> 'messages[0].content', dropping pydantic's union tags."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _TYPE_TAG.match(part):
+            path += f".{part}" if path else part
+    return path or None
+
+
+def from_validation_errors(errors: Sequence[Any]) -> APIError:
+    """The first pydantic error decides `param`; the message lists a few for context."""
+    if not errors:
+        return invalid_param(None, "invalid request body")
+    param = field_path(errors[0].get("loc", ()))
+    described = []
+    for err in errors[:3]:
+        where = field_path(err.get("loc", ())) or "body"
+        described.append(f"{where}: {err.get('msg', 'invalid value')}")
+    return invalid_param(param, "; ".join(described))
+
+
+def from_value_error(exc: ValueError, aliases: dict[str, str] | None = None) -> APIError:
+    """Map an engine/SamplingParams ValueError ("top_p must be in (0, 1]...") to a 400 naming the
+    request field; `aliases` renames engine fields to the endpoint's (chat: prompt -> messages)."""
+    message = str(exc)
+    match = re.match(r"[a-z_]+", message)
+    field = match.group(0) if match and match.group(0) in _ENGINE_FIELDS else None
+    param = (aliases or {}).get(field, field) if field else None
+    if field and param and param != field:  # speak the client's field name, not the engine's
+        message = param + message[len(field):]
+    code = "context_length_exceeded" if "context length" in message else None
+    return invalid_param(param, message, code)
+
+
+def overloaded_error(exc: Overloaded) -> APIError:
+    retry_after = str(max(1, math.ceil(exc.retry_after)))
+    return APIError(429, str(exc), "rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": retry_after})
+
+
+def unavailable_error(exc: BackendUnavailable) -> APIError:
+    return APIError(503, str(exc) or "no worker can serve the request", SERVER_ERROR, code="service_unavailable")
+
+
+def _http_error(status: int, message: str) -> APIError:
+    type_ = SERVER_ERROR if status >= 500 else INVALID_REQUEST
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    return APIError(status, message, type_, code=code)
+
+
+def install_error_handlers(app: FastAPI, count_error: Callable[[int], None] | None = None) -> None:
+    """`count_error(status)` sees every refusal a route handler raised (for the request metrics)."""
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        error = cast(APIError, exc)
+        if count_error is not None:
+            count_error(error.status)
+        return error_json(error)
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+        return error_json(from_validation_errors(errors))
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
+        detail = exc.detail if isinstance(exc, StarletteHTTPException) else "error"
+        message = f"{request.method} {request.url.path}: {detail}"
+        return error_json(_http_error(status, message))
+
+    async def on_overloaded(_: Request, exc: Exception) -> JSONResponse:
+        return error_json(overloaded_error(cast(Overloaded, exc)))
+
+    async def on_unavailable(_: Request, exc: Exception) -> JSONResponse:
+        return error_json(unavailable_error(cast(BackendUnavailable, exc)))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error serving %s %s", request.method, request.url.path, exc_info=exc)
+        return error_json(APIError(500, "internal server error", SERVER_ERROR, code="internal_error"))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Overloaded, on_overloaded)
+    app.add_exception_handler(BackendUnavailable, on_unavailable)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,133 @@
+"""One request's token stream from the backend, as the route handlers consume it.
+
+`TokenStream.open` waits for the first delta, so every refusal the backend makes
+before generating (bad values, overload, no workers) becomes an HTTP status before
+any response header is sent. The stream then records TTFT/ITL and the outcome, and
+closing it early (client gone) aborts the request in the backend.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+
+from tokenmill.engine.request import FINISH_ABORT, FINISH_ERROR, RequestOutput
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.frontend.backend import Backend, BackendUnavailable, Overloaded
+from tokenmill.frontend.errors import APIError, from_value_error, overloaded_error, unavailable_error
+from tokenmill.frontend.metrics import FrontendMetrics, RequestTimer
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ServingContext:
+    """What every route handler needs; one per app."""
+    backend: Backend
+    metrics: FrontendMetrics
+    served_model_name: str
+    request_timeout_s: float | None
+    max_body_bytes: int
+    created: int
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response started."""
+
+
+def outcome(finish_reason: str | None) -> str:
+    """The `status` label of tokenmill_requests_total for a finished stream."""
+    return {FINISH_ABORT: "deadline", FINISH_ERROR: "error"}.get(finish_reason or "", "success")
+
+
+class TokenStream:
+    def __init__(self, source: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer) -> None:
+        self.source = source
+        self.first = first
+        self.timer = timer
+        self.last = first
+        self.error_message: str | None = None
+
+    @classmethod
+    async def open(cls, ctx: ServingContext, request_id: str, prompt: list[int], params: SamplingParams,
+                   aliases: dict[str, str]) -> TokenStream:
+        timer = ctx.metrics.start_request()
+        deadline = None if ctx.request_timeout_s is None else time.monotonic() + ctx.request_timeout_s
+        source = ctx.backend.generate(request_id, prompt, params, deadline)
+        try:
+            first = await anext(source)
+        except ValueError as exc:
+            raise from_value_error(exc, aliases) from exc
+        except Overloaded as exc:
+            raise overloaded_error(exc) from exc
+        except BackendUnavailable as exc:
+            raise unavailable_error(exc) from exc
+        except StopAsyncIteration as exc:
+            raise APIError(500, "the backend ended the stream without output", "server_error") from exc
+        return cls(source, first, timer)
+
+    async def deltas(self) -> AsyncIterator[RequestOutput]:
+        """Every delta, ending with a finished one (a backend failure becomes an "error" delta)."""
+        status = "disconnected"  # unless the stream runs to its end
+        out = self.first
+        try:
+            while True:
+                self.last = out
+                self.timer.on_tokens(len(out.new_token_ids))
+                yield out
+                if out.finished:
+                    status = outcome(out.finish_reason)
+                    return
+                out = await self._next()
+        finally:
+            await self.source.aclose()  # aborts an unfinished request and frees its KV
+            last = self.last
+            self.timer.on_finish(status, last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+
+    async def _next(self) -> RequestOutput:
+        try:
+            return await anext(self.source)
+        except StopAsyncIteration:
+            self.error_message = "the backend ended the stream without a final delta"
+        except (BackendUnavailable, OSError, RuntimeError, ValueError) as exc:
+            log.exception("request %s failed mid-stream", self.last.request_id)
+            self.error_message = f"generation failed: {exc}"
+        last = self.last
+        return RequestOutput(last.request_id, [], "", True, FINISH_ERROR, last.num_prompt_tokens,
+                             last.num_output_tokens, last.num_cached_tokens)
+
+    async def collect(self) -> list[RequestOutput]:
+        return [out async for out in self.deltas()]
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (and so aborting its generation) if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself was cancelled (shutdown): take the work down with it
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, APIError):
+        pass
+    raise ClientGone()

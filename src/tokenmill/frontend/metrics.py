@@ -1,0 +1,175 @@
+"""Prometheus metrics for one app, in the app's own registry (tests build many apps).
+
+The frontend measures what it sees per request (TTFT, ITL, end-to-end latency, token
+counts, outcomes). Worker-side gauges come from `Backend.metrics_snapshot()`, read at
+scrape time; its keys are Prometheus series names, optionally with labels:
+`tokenmill_worker_kv_usage{worker="w0"}`. `tokenmill_workers` (the number of serving
+workers) also feeds the cost gauge:
+    usd_per_worker_hour × workers ÷ (output tokens per hour over the last window) × 1e6.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+PREFIX = "tokenmill_"
+WORKERS_GAUGE = "tokenmill_workers"
+_SERIES = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?$')
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                    30.0, 60.0, 120.0)
+RATE_WINDOW_S = 60.0
+
+
+def parse_series(key: str) -> tuple[str, dict[str, str]] | None:
+    """'name{a="x",b="y"}' -> ('name', {'a': 'x', 'b': 'y'}); None when malformed."""
+    match = _SERIES.match(key.strip())
+    if match is None:
+        return None
+    name, label_text = match.group(1), match.group(2) or ""
+    labels = {m.group(1): m.group(2) for m in _LABEL.finditer(label_text)}
+    if _LABEL.sub("", label_text).strip():
+        return None
+    return (name if name.startswith(PREFIX) else PREFIX + name), labels
+
+
+class OutputTokenRate:
+    """Output tokens per second over the last `window_s`, from one-second buckets."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._buckets: deque[list[float]] = deque()  # [second, tokens]
+        self._first_seen: float | None = None
+
+    def add(self, tokens: int) -> None:
+        now = self.clock()
+        if self._first_seen is None:
+            self._first_seen = now
+        second = float(int(now))
+        if self._buckets and self._buckets[-1][0] == second:
+            self._buckets[-1][1] += tokens
+        else:
+            self._buckets.append([second, float(tokens)])
+
+    def per_second(self) -> float:
+        now = self.clock()
+        while self._buckets and self._buckets[0][0] < now - self.window_s:
+            self._buckets.popleft()
+        if self._first_seen is None:
+            return 0.0
+        span = min(self.window_s, max(now - self._first_seen, 1.0))
+        return sum(tokens for _, tokens in self._buckets) / span
+
+
+class _BackendCollector(Collector):
+    """Backend gauges plus the derived cost gauge, computed at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, float]], rate: OutputTokenRate,
+                 usd_per_worker_hour: float | None) -> None:
+        self.snapshot = snapshot
+        self.rate = rate
+        self.usd_per_worker_hour = usd_per_worker_hour
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            snapshot = self.snapshot()
+        except Exception:  # a broken snapshot must not take the other metrics down
+            log.exception("backend metrics_snapshot failed")
+            snapshot = {}
+        yield from self._gauges(snapshot)
+        cost = self._cost(snapshot.get(WORKERS_GAUGE, 1.0))
+        if cost is not None:
+            yield GaugeMetricFamily("tokenmill_cost_per_million_output_tokens_usd",
+                                    "worker cost per million output tokens at the recent output rate", value=cost)
+
+    @staticmethod
+    def _gauges(snapshot: dict[str, float]) -> Iterator[Metric]:
+        families: dict[str, tuple[GaugeMetricFamily, list[str]]] = {}
+        for key, value in sorted(snapshot.items()):
+            parsed = parse_series(key)
+            if parsed is None:
+                log.warning("ignoring malformed backend metric %r", key)
+                continue
+            name, labels = parsed
+            if name not in families:
+                label_names = sorted(labels)
+                families[name] = (GaugeMetricFamily(name, f"backend gauge {name}", labels=label_names), label_names)
+            family, label_names = families[name]
+            if sorted(labels) == label_names:  # one label set per family, as Prometheus requires
+                family.add_metric([labels[k] for k in label_names], float(value))
+        return (family for family, _ in families.values())
+
+    def _cost(self, workers: float) -> float | None:
+        tokens_per_s = self.rate.per_second()
+        if self.usd_per_worker_hour is None or tokens_per_s <= 0:
+            return None
+        return self.usd_per_worker_hour * workers / (tokens_per_s * 3600.0) * 1e6
+
+
+class FrontendMetrics:
+    def __init__(self, snapshot: Callable[[], dict[str, float]], usd_per_worker_hour: float | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.output_rate = OutputTokenRate()
+        r = self.registry
+        self.ttft = Histogram("tokenmill_time_to_first_token_seconds", "time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tokenmill_inter_token_latency_seconds", "time between output tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenmill_e2e_request_latency_seconds", "request arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.input_tokens = Counter("tokenmill_input_tokens", "prompt tokens", registry=r)
+        self.output_tokens = Counter("tokenmill_output_tokens", "generated tokens", registry=r)
+        self.cached_tokens = Counter("tokenmill_cached_tokens", "prompt tokens served from a prefix cache",
+                                     registry=r)
+        self.requests = Counter("tokenmill_requests", "finished requests by outcome", ["status"], registry=r)
+        r.register(_BackendCollector(snapshot, self.output_rate, usd_per_worker_hour))
+
+    def count_request(self, status: str) -> None:
+        self.requests.labels(status=status).inc()
+
+    def count_http_error(self, status: int) -> None:
+        labels = {429: "overloaded", 503: "unavailable"}
+        self.count_request(labels.get(status, "error" if status >= 500 else "rejected"))
+
+    def start_request(self) -> RequestTimer:
+        return RequestTimer(self, time.monotonic())
+
+
+@dataclass(slots=True)
+class RequestTimer:
+    """One request's latency bookkeeping: TTFT at the first token, ITL per token after it."""
+    metrics: FrontendMetrics
+    arrival: float
+    last_token_at: float | None = None
+
+    def on_tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.last_token_at is None:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            per_token = (now - self.last_token_at) / count  # a delta may carry several tokens
+            for _ in range(count):
+                self.metrics.itl.observe(per_token)
+        self.last_token_at = now
+        self.metrics.output_rate.add(count)
+
+    def on_finish(self, status: str, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None:
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - self.arrival)
+        m.count_request(status)
+        m.input_tokens.inc(prompt_tokens)
+        m.output_tokens.inc(output_tokens)
+        m.cached_tokens.inc(cached_tokens)

@@ -1,0 +1,113 @@
+"""From a validated request body to what the backend takes: prompt token ids and SamplingParams.
+
+Every refusal here is a 400 that names the request field, including fields OpenAI
+defines that tokenmill does not implement (n > 1, penalties, logit_bias, echo, tools):
+silently ignoring them would return something the client did not ask for.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+
+from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.frontend.errors import APIError, from_value_error, invalid_param
+from tokenmill.frontend.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def check_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`",
+                       param="model", code="model_not_found")
+
+
+def reject_unsupported(body: SamplingFields) -> None:
+    """OpenAI fields we cannot honour, each only when set to something other than its no-op value."""
+    unsupported: list[tuple[str, bool, str]] = [
+        ("n", body.n not in (None, 1), "only n=1 is supported"),
+        ("presence_penalty", body.presence_penalty not in (None, 0.0), "presence_penalty is not supported"),
+        ("frequency_penalty", body.frequency_penalty not in (None, 0.0), "frequency_penalty is not supported"),
+        ("logit_bias", bool(body.logit_bias), "logit_bias is not supported"),
+    ]
+    if isinstance(body, CompletionRequest):
+        unsupported += [("best_of", body.best_of not in (None, 1), "only best_of=1 is supported"),
+                        ("echo", bool(body.echo), "echo is not supported"),
+                        ("suffix", bool(body.suffix), "suffix is not supported")]
+    if isinstance(body, ChatCompletionRequest):
+        fmt = (body.response_format or {}).get("type", "text")
+        unsupported += [("tools", bool(body.tools), "tool calling is not supported"),
+                        ("response_format", fmt != "text", "only response_format type 'text' is supported")]
+    for param, refused, message in unsupported:
+        if refused:
+            raise invalid_param(param, message)
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
+                    aliases: dict[str, str]) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            stop=body.stop or [],
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise from_value_error(exc, aliases) from exc
+
+
+def check_context_length(prompt: list[int], max_model_len: int, param: str) -> None:
+    if not prompt:
+        raise invalid_param(param, f"{param} must not be empty")
+    if len(prompt) >= max_model_len:
+        raise invalid_param(param, f"This model's maximum context length is {max_model_len} tokens, but the "
+                                   f"{param} has {len(prompt)} tokens (and at least one token must be generated)",
+                            code="context_length_exceeded")
+
+
+def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise invalid_param("prompt", "only one prompt per request is supported")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt) if prompt else []
+    return list(prompt)
+
+
+def completion_limits(body: CompletionRequest) -> tuple[int, int | None]:
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    return max_tokens, body.logprobs
+
+
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    messages = [_template_message(m.model_dump(exclude_none=True)) for m in body.messages]
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
+        raise invalid_param("messages", f"messages cannot be rendered with the chat template: {exc}") from exc
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, list):  # text parts are the only kind the schema admits
+        message["content"] = "".join(part["text"] for part in content)
+    return message
+
+
+def chat_limits(body: ChatCompletionRequest, prompt_len: int, max_model_len: int) -> tuple[int, int | None, str]:
+    """(max tokens, engine logprobs, which field set the limit): unset means "up to the context length"."""
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = max(1, max_model_len - prompt_len) if requested is None else requested
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid_param("top_logprobs", "top_logprobs requires logprobs to be true")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return max_tokens, logprobs, field
