@@ -21,6 +21,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _add_frontend_flags(parser)
     parser.add_argument("--max-queue", type=int, default=None,
                         help="requests a worker may hold waiting beyond a full batch before 429")
+    parser.add_argument("--run-dir", default=None,
+                        help="directory for worker sockets and the registry (default: a fresh temp dir)")
 
 
 def _add_frontend_flags(parser: argparse.ArgumentParser) -> None:
@@ -41,13 +43,15 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run_dir = Path(tempfile.mkdtemp(prefix="tokenmill-"))
+    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="tokenmill-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
     try:
         return asyncio.run(_serve(args, run_dir, engine_argv(args)))
     except KeyboardInterrupt:
         return 0
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if not args.run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]) -> int:
@@ -70,7 +74,7 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
     supervisor.start()
     watcher = asyncio.create_task(supervisor.watch())
     try:
-        await _run_http(args, backend, args.workers)
+        await _run_http(args, backend)
     finally:
         watcher.cancel()
         supervisor.stop()
@@ -98,13 +102,13 @@ def _backend(args: argparse.Namespace, discovery):
                               default_timeout_s=args.request_timeout_s)
 
 
-async def _run_http(args: argparse.Namespace, backend, num_workers: int) -> None:
+async def _run_http(args: argparse.Namespace, backend) -> None:
     import uvicorn
 
     from tokenmill.frontend.app import create_app
 
-    app = create_app(backend, _model_name(args), usd_per_worker_hour=args.usd_per_worker_hour,
-                     num_workers=num_workers)
+    app = create_app(backend, _model_name(args), usd_per_worker_hour=args.usd_per_worker_hour or None,
+                     request_timeout_s=args.request_timeout_s)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     log.info("serving %s on http://%s:%d", _model_name(args), args.host, args.port)
@@ -129,7 +133,7 @@ def run_frontend(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_run_http(args, backend, 0))
+        asyncio.run(_run_http(args, backend))
     except KeyboardInterrupt:
         pass
     return 0
