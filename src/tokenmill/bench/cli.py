@@ -14,6 +14,8 @@ import importlib
 BENCHMARKS: tuple[tuple[str, str, str], ...] = (
     ("engine", "tokenmill.bench.engine_bench",
      "embedded engine vs transformers generate(), with the decode step's memory floor"),
+    ("serve", "tokenmill.bench.serve_bench",
+     "load generator: fixed concurrency, Poisson rate or Mooncake trace replay against an OpenAI server"),
 )
 
 
