@@ -22,7 +22,7 @@ $(MODEL)/config.json: | install
 	$(BIN)/tokenmill make-model --preset small-moe --out $(MODEL)
 
 serve: install $(MODEL)/config.json
-	$(BIN)/tokenmill generate --model $(MODEL) --chat
+	$(BIN)/tokenmill serve --model $(MODEL)
 
 clean:
 	rm -rf $(VENV) .models
