@@ -98,7 +98,7 @@ def test_slo_uses_ttft_and_the_requests_mean_itl() -> None:
     assert [slo.met(r) for r in (fast, slow_start, slow_tokens)] == [True, False, False]
     summary = summarize([fast, slow_start, slow_tokens], slo, None, mock_step_ms=5.0, duration_s=1.0)
     assert summary.goodput == 1.0 and summary.slo_met == 1 and summary.usd_per_million_output_tokens is None
-    assert summary.overhead_per_token_ms.p50 == pytest.approx(summary.itl_ms.p50 - 5.0)
+    assert summary.overhead_per_token_ms.p50 == pytest.approx(summary.tpot_ms.p50 - 5.0)
     with pytest.raises(ValueError, match="--slo-itl-ms"):
         SLO(itl_ms=0)
 

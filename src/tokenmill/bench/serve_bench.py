@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overhead.add_argument("--engine-workload", metavar="MODEL_DIR", help="send `bench engine`'s workload")
     overhead.add_argument("--compare-engine", metavar="ENGINE_JSON", help="`bench engine --json` output")
     overhead.add_argument("--mock-step-ms", type=float, default=None,
-                          help="the server's fixed mock step time: report ITL minus it per token")
+                          help="the server's fixed mock step time: report TPOT minus it per token")
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -186,6 +186,7 @@ def _engine_reference(args: argparse.Namespace) -> float | None:
 
 def run(args: argparse.Namespace) -> int:
     """0 when every request completed, 1 when some did not, 2 for bad flags or an unusable server."""
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # a line per request
     try:
         _validate(args)
         specs = build_requests(args)

@@ -10,9 +10,13 @@ Definitions (every figure covers the requests with status "ok" unless it says ot
 - Throughputs divide by the run's duration: the first send to the last stream's end.
 - Cached fraction: Σ usage.prompt_tokens_details.cached_tokens ÷ Σ usage.prompt_tokens.
 - Cost: --usd-per-hour × duration / output tokens, per million output tokens.
-- Stack overhead (only with --mock-step-ms S, against a server whose mock runner takes a
-  fixed S per step): each ITL gap − S, i.e. what the stack adds per token beyond the
-  engine's step (engine loop bookkeeping, worker → frontend hop, HTTP/SSE, client parse).
+- Stack overhead per token (only with --mock-step-ms S, against a server whose mock runner
+  takes a fixed S per step, `--mock-step-time S,0,0,0`): each request's TPOT − S. The
+  scheduler gives every running decode one token per step, so an ideal stack delivers a
+  token every S; the excess is what the stack adds per token: the engine loop's
+  bookkeeping, the worker → frontend hop, detokenization, HTTP/SSE and the client's parse.
+  Per-request TPOT rather than single ITL gaps, because tokens of one stream often arrive
+  in bursts (several SSE frames per read), which makes single gaps ~0 or ~2·S.
 """
 from __future__ import annotations
 
@@ -120,7 +124,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, usd_per_hour: float | 
         cost = usd_per_hour * duration / 3600.0 / output * 1e6
     overhead = None
     if mock_step_ms is not None:
-        overhead = distribution_ms([gap - mock_step_ms / 1e3 for gap in gaps])
+        overhead = distribution_ms([t - mock_step_ms / 1e3 for r in ok if (t := tpot_s(r)) is not None])
     mismatches = sum(1 for r in ok if r.completion_tokens != r.output_len or r.prompt_tokens != r.prompt_len)
     return ServeSummary(
         duration_s=duration, requests_total=len(records), requests_ok=len(ok),
