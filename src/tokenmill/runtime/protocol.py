@@ -4,8 +4,9 @@ Every message carries `type`; every request-scoped message carries `request_id`.
 A token stream ends with a frame whose `finish_reason` says why
 (stop, length, abort, error).
 
-frontend -> worker: hello, generate, abort
-worker -> frontend: tokens, error, heartbeat
+frontend -> worker: hello, generate, abort, kv_snapshot
+worker -> frontend: tokens, error, heartbeat, kv_snapshot (the reply)
+worker -> routers (PUB socket): kv_events
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tokenmill.engine.sampling import SamplingParams, TokenLogprob
 
 HELLO, GENERATE, ABORT = "hello", "generate", "abort"
 TOKENS, ERROR, HEARTBEAT = "tokens", "error", "heartbeat"
+KV_SNAPSHOT, KV_EVENTS = "kv_snapshot", "kv_events"
 
 # error codes a worker may answer a generate with
 INVALID_REQUEST, OVERLOADED, INTERNAL = "invalid_request", "overloaded", "internal"

@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=None,
                         help="requests that may wait beyond a full batch before 'overloaded'")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
+    parser.add_argument("--events-address", default=None,
+                        help="publish KV events here (ipc:// or tcp://host:0); default: not published")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = args.served_model_name or args.model
     server = WorkerServer(engine, WorkerSettings(args.worker_id, args.address, name, max_queue=args.max_queue,
-                                                   parent_pid=args.parent_pid),
+                                                   parent_pid=args.parent_pid, events_address=args.events_address),
                           discovery)
     address = server.bind()
     log.info("worker %s serving %s on %s", args.worker_id, name, address)

@@ -22,6 +22,7 @@ from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.request import FINISH_ABORT, RequestOutput
 from tokenmill.runtime import protocol as p
 from tokenmill.runtime.discovery import Discovery, WorkerInfo
+from tokenmill.worker.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class WorkerSettings:
     role: str = "agg"
     max_queue: int | None = None  # requests allowed to wait beyond a full running batch
     parent_pid: int | None = None  # exit when this process (the supervisor) is gone
+    events_address: str | None = None  # where KV events are published (None: not published)
 
 
 class WorkerServer:
@@ -49,6 +51,8 @@ class WorkerServer:
         self.peers: set[bytes] = set()
         self.tasks: dict[str, asyncio.Task] = {}
         self._stopping = asyncio.Event()
+        self.publisher = (KVEventPublisher(engine, settings.worker_id, settings.events_address)
+                          if settings.events_address else None)
 
     def bind(self) -> str:
         address = self.settings.address
@@ -62,6 +66,8 @@ class WorkerServer:
 
     async def serve(self) -> None:
         await self.engine.start()
+        if self.publisher is not None:
+            self.publisher.start()
         self.discovery.register(self._info())
         heartbeat = asyncio.create_task(self._heartbeat_loop())
         try:
@@ -74,6 +80,8 @@ class WorkerServer:
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
             await self.engine.stop()
             self.socket.close()
+            if self.publisher is not None:
+                self.publisher.close()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -83,8 +91,10 @@ class WorkerServer:
         return WorkerInfo(
             worker_id=self.settings.worker_id, address=self.settings.address, role=self.settings.role,
             model=self.settings.model_name, pid=os.getpid(), host=os.uname().nodename,
-            incarnation=uuid.uuid4().hex, metadata={"max_model_len": engine.max_model_len,
-                                                    "block_size": engine.config.block_size, **self._load()},
+            incarnation=uuid.uuid4().hex,
+            metadata={"max_model_len": engine.max_model_len, "block_size": engine.config.block_size,
+                      "hash_seed": engine.config.hash_seed,
+                      "events_address": self.publisher.address if self.publisher else None, **self._load()},
         )
 
     def _load(self) -> dict[str, float]:
@@ -120,6 +130,12 @@ class WorkerServer:
             task = self.tasks.get(str(msg.get("request_id")))
             if task is not None:
                 task.cancel()
+        elif kind == p.KV_SNAPSHOT and self.publisher is not None:
+            asyncio.create_task(self._send_snapshot(peer))
+
+    async def _send_snapshot(self, peer: bytes) -> None:
+        if self.publisher is not None:
+            self._send(peer, await self.publisher.snapshot())
 
     def _start_generate(self, peer: bytes, msg: dict) -> None:
         request_id = str(msg.get("request_id", ""))

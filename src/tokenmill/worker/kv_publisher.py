@@ -1,0 +1,75 @@
+"""Publishes the engine's KV events to routers over a ZeroMQ PUB socket.
+
+The engine emits events on its own thread; they are queued and sent from the
+asyncio loop in batches (one frame per loop turn), because a ZeroMQ socket must
+only be used from one thread. A router that joins late, or drops frames, sees a
+gap in `event_id` and asks for a snapshot (`snapshot()`, taken on the engine
+thread so blocks and event ids agree).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.kv.events import KVEvent, event_to_wire
+from tokenmill.runtime import protocol as p
+
+
+class KVEventPublisher:
+    def __init__(self, engine: AsyncLLMEngine, worker_id: str, address: str) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.socket = zmq.asyncio.Context.instance().socket(zmq.PUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.address = _bind(self.socket, address)
+        self._pending: list[dict[str, Any]] = []
+        self._lock = threading.Lock()  # the engine thread appends, the loop thread takes
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.engine.engine.events.subscribe(self._on_event)
+
+    def close(self) -> None:
+        self.socket.close()
+
+    def _on_event(self, event: KVEvent) -> None:  # engine thread
+        if self._loop is None:
+            return
+        wire = event_to_wire(event)
+        with self._lock:
+            first = not self._pending
+            self._pending.append(wire)
+        if first:
+            self._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:  # event loop thread
+        with self._lock:
+            batch, self._pending = self._pending, []
+        if batch:
+            frame = p.pack({"type": p.KV_EVENTS, "worker": self.worker_id, "events": batch})
+            try:
+                self.socket.send(frame, flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # subscribers will see the gap and ask for a snapshot
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Every hash the worker holds, per tier, with the id of the last event it reflects."""
+        def take(engine) -> dict[str, Any]:
+            return {"type": p.KV_SNAPSHOT, "worker": self.worker_id,
+                    "last_event_id": engine.events.last_event_id,
+                    "tiers": {"device": engine.pool.cached_hashes()}}
+        return await self.engine.call(take)
+
+
+def _bind(socket: zmq.Socket, address: str) -> str:
+    if address.endswith(":0"):
+        base = address.rsplit(":", 1)[0]
+        return f"{base}:{socket.bind_to_random_port(base)}"
+    socket.bind(address)
+    return address
