@@ -64,10 +64,12 @@ def field_path(loc: Sequence[int | str]) -> str | None:
 
 
 def from_validation_errors(errors: Sequence[Any]) -> APIError:
-    """The first pydantic error decides `param`; the message lists a few for context."""
+    """The most specific error decides `param` (a union reports one error per member; the one that
+    got deepest into the value is the useful one); the message lists a few for context."""
     if not errors:
         return invalid_param(None, "invalid request body")
-    param = field_path(errors[0].get("loc", ()))
+    deepest = max(errors, key=lambda err: len(field_path(err.get("loc", ())) or ""))
+    param = field_path(deepest.get("loc", ()))
     described = []
     for err in errors[:3]:
         where = field_path(err.get("loc", ())) or "body"
