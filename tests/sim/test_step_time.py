@@ -44,10 +44,22 @@ def test_memory_bounds_the_batch_and_flags_deployments_that_do_not_fit():
     assert weight_bytes_per_gpu(c.model, Parallel.of(1), c.plan) / 1e9 == pytest.approx(16.06, rel=0.01)
 
 
-def test_over_capacity_concurrency_queues_in_ttft():
+def test_over_memory_concurrency_queues_in_ttft():
     c = make_context("llama-3.1-70b", "h100", "fp8")
-    r = aggregated(c, Parallel.of(2), Workload(1024, 8192), np.array([32.0, 32.0]), np.array([32.0, 8.0]))
+    w = Workload(1024, 8192)
+    cap = aggregated(c, Parallel.of(2), w, np.array([1.0])).batch_capacity[0]
+    r = aggregated(c, Parallel.of(2), w, np.array([cap, 4 * cap]))
     assert r.ttft[1] > 3 * r.ttft[0]
+    assert r.tpot[1] == pytest.approx(r.tpot[0])
+
+
+def test_over_slot_concurrency_takes_turns_in_tpot():
+    c = make_context("llama-3.1-70b", "h100", "fp8")
+    r = aggregated(c, Parallel.of(2), Workload(1024, 1024), np.array([32.0, 32.0]), np.array([32.0, 8.0]))
+    step8 = aggregated(c, Parallel.of(2), Workload(1024, 1024), np.array([8.0])).tpot[0]
+    assert r.tpot[1] == pytest.approx(4 * step8)
+    assert r.ttft[1] < 2 * r.ttft[0]
+    assert not r.fits[1] and r.fits[0]
 
 
 def test_collectives_cross_domain_is_slower():

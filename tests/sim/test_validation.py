@@ -23,11 +23,11 @@ def test_silicon_coverage_and_split(silicon):
 
 
 def test_held_out_subset_errors(silicon):
-    # Every 3rd held-out row keeps the test fast. TPOT meets a 20% bound (the target is 15%:
-    # not met, see `sim validate`); TTFT a 40% bound (target 25%: not met). These bounds guard regressions.
+    # Every 3rd held-out row keeps the test fast. TPOT meets the 15% target (the full held-out
+    # half is at ~14.7% in `sim validate`); TTFT is guarded at 40% (target 25%: not met, ~35%).
     held = [r for r in silicon.rows if r.held_out][::3]
     s = summarise(held, load_fitted())
-    assert s.tpot_median_abs <= 0.20
+    assert s.tpot_median_abs <= 0.15
     assert s.ttft_median_abs <= 0.40
 
 

@@ -44,7 +44,8 @@ def prefill_pool(c: OpContext, par: Parallel, w: Workload, prompts: np.ndarray, 
 def decode_pool(c: OpContext, par: Parallel, w: Workload, batch: np.ndarray) -> DecodePool:
     batch = np.asarray(batch, dtype=np.float64)
     tpot = decode_step(c, par, w, batch / (par.dp * par.pp))
-    cap = max_sequences(c.model, c.gpu, par, c.plan, np.full(1, w.isl + w.osl))
+    cap = np.minimum(max_sequences(c.model, c.gpu, par, c.plan, np.full(1, w.isl + w.osl)),
+                     par.dp * float(c.tuning.max_batch_per_rank))  # KV memory and the engine's decode slots
     return DecodePool(gpus=par.gpus, tpot=tpot, requests_per_s=batch / (tpot * w.osl), fits=cap >= batch)
 
 

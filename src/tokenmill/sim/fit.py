@@ -15,14 +15,16 @@ log = logging.getLogger(__name__)
 
 # (field, candidate values); multiplicative fields are searched around the current value.
 SEARCH_SPACE: tuple[tuple[str, tuple[float, ...]], ...] = (
-    ("step_overhead_s", (0.0, 0.5e-3, 1e-3, 2e-3, 3e-3, 5e-3, 8e-3)),
+    ("step_overhead_s", (0.0, 0.25e-3, 0.5e-3, 1e-3, 2e-3, 3e-3, 5e-3)),
+    ("seq_overhead_s", (0.0, 5e-6, 10e-6, 20e-6, 40e-6, 80e-6)),
     ("compute_scale", (0.4, 0.55, 0.7, 0.85, 1.0, 1.2)),
+    ("prefill_compute_scale", (0.4, 0.55, 0.7, 0.85, 1.0, 1.2)),
     ("mem_scale", (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.15)),
     ("latency_scale", (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)),
     ("moe_imbalance", (1.0, 1.2, 1.4, 1.7, 2.0)),
     ("prefill_in_tpot", (0.0, 0.25, 0.5, 0.75, 1.0)),
     ("wave_fraction", (0.0, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)),
-    ("ttft_overhead_s", (0.0, 0.02, 0.05, 0.1, 0.15, 0.25)),
+    ("ttft_overhead_s", (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.25)),
 )
 
 

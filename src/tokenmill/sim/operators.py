@@ -45,6 +45,10 @@ class OpContext:
     plan: PrecisionPlan
     tuning: Tuning
 
+    def for_prefill(self) -> "OpContext":
+        """The same context with the prefill kernels' efficiency (`tuning.prefill_compute_scale`)."""
+        return OpContext(self.model, self.gpu, self.plan, self.tuning.replace(compute_scale=self.tuning.prefill_compute_scale))
+
     def kernel_latency(self, kernels: int) -> float:
         return kernels * self.gpu.kernel_latency_s * self.tuning.latency_scale
 

@@ -58,7 +58,7 @@ def prefill_step(c: OpContext, par: Parallel, w: Workload, prompts_per_rank: np.
     shape = StepShape(prefill_tokens=prompts * w.isl, prefill_ctx=np.full(1, w.isl / 2.0),
                       decode_seqs=np.asarray(decode_seqs, dtype=np.float64), decode_ctx=np.full(1, w.isl + w.osl / 2.0),
                       output_rows=prompts)
-    return step_time(c, par, shape).total
+    return step_time(c.for_prefill(), par, shape).total
 
 
 def queued_ttft(base: np.ndarray, service: np.ndarray, concurrency: np.ndarray, rest: np.ndarray) -> np.ndarray:
@@ -76,29 +76,49 @@ def queued_ttft(base: np.ndarray, service: np.ndarray, concurrency: np.ndarray, 
 def aggregated(c: OpContext, par: Parallel, w: Workload, batch: np.ndarray, max_batch: np.ndarray | None = None) -> PhaseResult:
     """Continuous batching with chunked prefill: every step decodes the batch and prefills new prompts.
 
-    `batch` is the number of requests in flight; `max_batch` an engine limit below the memory bound.
+    `batch` is the number of requests in flight; `max_batch` the engine's decode-slot limit per instance
+    (default: `tuning.max_batch_per_rank` per attention-DP rank). Requests beyond the KV memory bound
+    queue for admission (Little's law in TTFT); requests beyond the slot limit but inside memory stay
+    resident and take turns in the decode slots (TensorRT-LLM's scheduler), stretching TPOT instead.
     """
     batch = np.asarray(batch, dtype=np.float64)
-    cap = max_sequences(c.model, c.gpu, par, c.plan, np.full(1, w.isl + w.osl))
-    if max_batch is not None:
-        cap = np.minimum(cap, max_batch)
-    live = np.maximum(np.minimum(batch, cap), 1.0)
+    mem_cap = max_sequences(c.model, c.gpu, par, c.plan, np.full(1, w.isl + w.osl))
+    slots = par.dp * float(c.tuning.max_batch_per_rank) if max_batch is None else np.asarray(max_batch, dtype=np.float64)
+    resident = np.maximum(np.minimum(batch, mem_cap), 1.0)
+    live = np.maximum(np.minimum(resident, slots), 1.0)
     per_rank = live / par.dp
     micro = per_rank / par.pp
     # Steady state: a request finishes every osl/acceptance steps, so its prompt is spread over them.
-    tpot = decode_step(c, par, w, micro, c.tuning.prefill_in_tpot * micro * w.isl * w.mtp_acceptance / w.osl)
+    step = decode_step(c, par, w, micro) + c.tuning.prefill_in_tpot * _interleaved_prefill(c, par, w, micro)
+    tpot = step * resident / live
+    ttft0 = _agg_first_token(c, par, w, per_rank, micro)
+    life = ttft0 + w.osl * tpot
+    ttft = ttft0 + life * np.maximum(batch / np.maximum(mem_cap, 1.0) - 1.0, 0.0)  # Little's law queue when over memory
+    tps_gpu = resident * w.osl / life / par.gpus
+    mem = memory_per_gpu(c.model, par, c.plan, resident / par.dp * (w.isl + w.osl)) / GB
+    fits = (mem_cap >= batch) & (slots >= batch) & (weight_bytes_per_gpu(c.model, par, c.plan) < c.gpu.hbm_gb * GB)
+    return PhaseResult(ttft=ttft, tpot=tpot, output_tps_per_gpu=tps_gpu, memory_gb_per_gpu=mem, fits=fits,
+                       batch_capacity=np.minimum(mem_cap, slots))
+
+
+def _interleaved_prefill(c: OpContext, par: Parallel, w: Workload, micro: np.ndarray) -> np.ndarray:
+    """Extra seconds per decode step from the prompt chunks mixed into it, at the prefill kernels' efficiency.
+
+    In steady state a request finishes every osl/acceptance steps, so its prompt is spread over them.
+    """
+    cp = c.for_prefill()
+    tokens = micro * w.isl * w.mtp_acceptance / w.osl
+    return decode_step(cp, par, w, micro, tokens) - decode_step(cp, par, w, micro)
+
+
+def _agg_first_token(c: OpContext, par: Parallel, w: Workload, per_rank: np.ndarray, micro: np.ndarray) -> np.ndarray:
+    """Prefill of a request's prompt in token-budget chunks, behind the share of its wave that queues first."""
     waiting_tokens = w.isl * (1.0 + c.tuning.wave_fraction * (per_rank - 1.0) / 2.0)
     chunk = np.minimum(waiting_tokens, c.tuning.max_prefill_tokens)
-    chunk_time = step_time(c, par, StepShape(chunk, np.full(1, w.isl / 2.0), micro, np.full(1, w.isl + w.osl / 2.0),
+    chunk_time = step_time(c.for_prefill(), par, StepShape(chunk, np.full(1, w.isl / 2.0), micro, np.full(1, w.isl + w.osl / 2.0),
                                              output_rows=np.maximum(chunk / w.isl, 1.0))).total
     steps = np.ceil(waiting_tokens / c.tuning.max_prefill_tokens)
-    ttft0 = chunk_time * (1.0 + (steps - 1.0) / par.pp) + c.tuning.ttft_overhead_s
-    life = ttft0 + w.osl * tpot
-    ttft = ttft0 + life * np.maximum(batch / np.maximum(cap, 1.0) - 1.0, 0.0)  # Little's law queue when over capacity
-    tps_gpu = live * w.osl / life / par.gpus
-    mem = memory_per_gpu(c.model, par, c.plan, per_rank * (w.isl + w.osl)) / GB
-    fits = (cap >= batch) & (weight_bytes_per_gpu(c.model, par, c.plan) < c.gpu.hbm_gb * GB)
-    return PhaseResult(ttft=ttft, tpot=tpot, output_tps_per_gpu=tps_gpu, memory_gb_per_gpu=mem, fits=fits, batch_capacity=cap)
+    return chunk_time * (1.0 + (steps - 1.0) / par.pp) + c.tuning.ttft_overhead_s
 
 
 def kv_transfer_time(c: OpContext, w: Workload, prompts: np.ndarray, prefill_gpus: np.ndarray, same_domain: np.ndarray) -> np.ndarray:

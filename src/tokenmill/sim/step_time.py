@@ -18,7 +18,7 @@ class StepTime:
 
     compute: np.ndarray
     communication: np.ndarray
-    overhead: float
+    overhead: np.ndarray
 
     @property
     def total(self) -> np.ndarray:
@@ -60,4 +60,14 @@ def step_time(c: OpContext, par: Parallel, s: StepShape, mtp_layers: int = 0) ->
     crosses = par.gpus > c.gpu.domain_size
     comm = comm + (par.pp - 1) * p2p_time(c.gpu, crosses, hidden_bytes, lat)
     return StepTime(compute=np.asarray(compute, dtype=np.float64), communication=np.asarray(comm, dtype=np.float64),
-                    overhead=c.tuning.step_overhead_s)
+                    overhead=framework_overhead(c, s))
+
+
+def framework_overhead(c: OpContext, s: StepShape) -> np.ndarray:
+    """Host time per step: a fixed part (scheduling, launch) plus a part per running sequence.
+
+    The per-sequence part (sampling, stop checks, detokenisation, block-table updates) is why measured
+    TPOT keeps rising with batch after the weight reads stop growing.
+    """
+    seqs = s.decode_seqs + np.asarray(s.output_rows, dtype=np.float64)
+    return np.asarray(c.tuning.step_overhead_s + c.tuning.seq_overhead_s * seqs, dtype=np.float64)

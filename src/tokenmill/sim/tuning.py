@@ -18,7 +18,11 @@ FITTED_FILE = "data/fitted.json"
 @dataclass(slots=True, frozen=True)
 class Tuning:
     step_overhead_s: float = 1.0e-3  # scheduler + launch time per engine step (assumption before fit)
-    compute_scale: float = 1.0  # multiplies GEMM and attention efficiency
+    seq_overhead_s: float = 10e-6  # host work per running sequence per step: sampling, stop checks, detokenize (prior)
+    compute_scale: float = 1.0  # multiplies GEMM and attention efficiency in decode steps
+    # Prefill runs different kernels (large-M GEMMs, FlashAttention forward, chunked-prefill scheduling),
+    # so its achieved fraction of the curves is fitted on its own (TTFT), not borrowed from decode (TPOT).
+    prefill_compute_scale: float = 1.0
     mem_scale: float = 1.0  # multiplies achievable HBM bandwidth
     latency_scale: float = 1.0  # multiplies kernel and collective fixed latencies
     moe_imbalance: float = 1.3  # hottest rank's expert load over the mean when EP > 1 (assumption)
@@ -26,20 +30,26 @@ class Tuning:
     max_prefill_tokens: int = 8192  # per-step token budget for prefill (chunked prefill)
     ttft_overhead_s: float = 0.02  # HTTP, tokenisation, scheduling before the first forward pass
     prefill_in_tpot: float = 1.0  # share of the interleaved prefill work that shows up in measured TPOT
+    # Engine cap on sequences decoded per step per attention-DP rank (CUDA-graph batch, scheduler slots).
+    # 384: TensorRT-LLM's DeepSeek-R1 FP4 max-throughput recipe on 8xB200 (--max_batch_size 384 with
+    # attention DP, concurrency 3072), "How to get best performance on DeepSeek-R1 in TensorRT-LLM".
+    max_batch_per_rank: int = 384
 
     def __post_init__(self) -> None:
-        for name in ("compute_scale", "mem_scale", "latency_scale", "moe_imbalance"):
+        for name in ("compute_scale", "prefill_compute_scale", "mem_scale", "latency_scale", "moe_imbalance"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"tuning: field {name} must be > 0")
-        if self.step_overhead_s < 0:
-            raise ValueError("tuning: field step_overhead_s must be >= 0")
+        for name in ("step_overhead_s", "seq_overhead_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"tuning: field {name} must be >= 0")
         for name in ("wave_fraction", "prefill_in_tpot"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"tuning: field {name} must be in [0, 1]")
         if self.ttft_overhead_s < 0:
             raise ValueError("tuning: field ttft_overhead_s must be >= 0")
-        if self.max_prefill_tokens < 1:
-            raise ValueError("tuning: field max_prefill_tokens must be >= 1")
+        for name in ("max_prefill_tokens", "max_batch_per_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"tuning: field {name} must be >= 1")
 
     def replace(self, **changes: float) -> "Tuning":
         return dataclasses.replace(self, **changes)
