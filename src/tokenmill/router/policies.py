@@ -1,0 +1,188 @@
+"""Routing policies and the `Router` the frontend holds (one per worker pool).
+
+    router = Router(RouterConfig(policy="kv"))           # --router {kv,kv-approx,round-robin,random,least-loaded}
+    router.add_worker("w0"); router.add_worker("w1")    # from discovery, at any time
+    decision = router.select(RoutingRequest(request_id, block_hashes(prompt), len(prompt)))
+    ...send to decision.worker...
+    router.on_first_token(request_id); router.on_finished(request_id)   # finished also on abort/error
+    router.apply_event(event)            # every KV event from the subscription; on ApplyStatus.GAP
+                                         # ask event.worker for a snapshot, then router.apply_snapshot(...)
+    router.report_load(worker, prefill_blocks, decode_blocks)          # workers' own periodic figures
+    router.remove_worker("w1")           # lease lost: index, load and approx entries dropped
+
+`select` charges the chosen worker's load (and, in kv-approx mode, records the prompt's
+blocks against it). Policies: `kv` scores every candidate with `tokenmill.router.cost`
+on the event-built `KVIndexer`; `kv-approx` does the same on `ApproxIndexer`;
+`round-robin` and `random` ignore state; `least-loaded` samples two candidates and takes
+the one with fewer active blocks (power of two choices). In disaggregated deployments
+hold two routers: the prefill pool's on `kv`, the decode pool's on `least-loaded`.
+KV events from workers not added (or already removed) are IGNORED: a worker that joins
+late starts with a gap and is rebuilt from its snapshot.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tokenmill.kv.events import KVEvent
+from tokenmill.router.approx import ApproxIndexer
+from tokenmill.router.cost import CostConfig, choose, worker_terms
+from tokenmill.router.decision import RoutingDecision, RoutingRequest
+from tokenmill.router.indexer import ApplyStatus, KVIndexer, WorkerMatches
+from tokenmill.router.load import LoadTracker
+from tokenmill.router.stats import RouterStats
+
+log = logging.getLogger(__name__)
+
+POLICIES: tuple[str, ...] = ("kv", "kv-approx", "round-robin", "random", "least-loaded")
+_NO_OVERLAP: dict[str, int] = {}
+
+
+class NoWorkerAvailable(LookupError):
+    """No worker to route to (none registered, or none of the candidates)."""
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    policy: str = "kv"
+    block_size: int = 16
+    cost: CostConfig = field(default_factory=CostConfig)
+    approx_ttl_s: float = 120.0
+    approx_max_blocks: int = 1_000_000
+    events_stale_after_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--router must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+
+class Router:
+    def __init__(self, config: RouterConfig | None = None, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config or RouterConfig()
+        self.policy = self.config.policy
+        self.rng = rng or random.Random()
+        self.timer = timer
+        self.load = LoadTracker()
+        self.indexer = KVIndexer(self.config.cost.tier_preference()) if self.policy == "kv" else None
+        self.approx = (ApproxIndexer(self.config.approx_ttl_s, self.config.approx_max_blocks, clock)
+                       if self.policy == "kv-approx" else None)
+        self.stats = RouterStats(self.policy == "kv", self.config.events_stale_after_s, clock=clock)
+        self._workers: dict[str, None] = {}  # insertion-ordered set
+        self._turn = 0
+
+    # ---- membership ---------------------------------------------------------------------
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return tuple(self._workers)
+
+    def add_worker(self, worker: str) -> None:
+        self._workers[worker] = None
+        self.load.add_worker(worker)
+
+    def remove_worker(self, worker: str) -> None:
+        self._workers.pop(worker, None)
+        self.load.remove_worker(worker)
+        if self.indexer is not None:
+            self.indexer.remove_worker(worker)
+        if self.approx is not None:
+            self.approx.remove_worker(worker)
+
+    # ---- decisions ----------------------------------------------------------------------
+
+    def select(self, request: RoutingRequest, candidates: Sequence[str] | None = None) -> RoutingDecision:
+        """Pick a worker among `candidates` (default: all) and charge it the request."""
+        started = self.timer()
+        pool = self._candidates(candidates)
+        prompt_blocks = request.prompt_blocks(self.config.block_size)
+        if self.indexer is not None or self.approx is not None:
+            decision = self._select_by_cost(request, pool, prompt_blocks)
+        else:
+            worker, reason = self._select_by_rule(pool)
+            decision = RoutingDecision(request.request_id, worker, self.policy, reason, prompt_blocks,
+                                       prefill_charge=prompt_blocks, decode_charge=prompt_blocks)
+        self.load.on_routed(request.request_id, decision.worker, decision.prefill_charge, decision.decode_charge)
+        if self.approx is not None:
+            self.approx.record(decision.worker, request.block_hashes)
+        self.stats.observe_decision(self.policy, self.timer() - started, decision.overlap_blocks)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", decision.explain())
+        return decision
+
+    def on_first_token(self, request_id: str) -> None:
+        self.load.on_first_token(request_id)
+
+    def on_finished(self, request_id: str) -> None:
+        self.load.on_finished(request_id)
+
+    def report_load(self, worker: str, prefill_blocks: float, decode_blocks: float) -> None:
+        self.load.correct(worker, prefill_blocks, decode_blocks)
+
+    # ---- KV events ----------------------------------------------------------------------
+
+    def apply_event(self, event: KVEvent) -> ApplyStatus:
+        if self.indexer is None or event.worker not in self._workers:
+            return ApplyStatus.IGNORED
+        self.stats.observe_event()
+        return self.indexer.apply(event)
+
+    def apply_snapshot(self, worker: str, tier_hashes: Mapping[str, Iterable[int]],
+                       last_event_id: int) -> ApplyStatus:
+        if self.indexer is None or worker not in self._workers:
+            return ApplyStatus.IGNORED
+        return self.indexer.apply_snapshot(worker, tier_hashes, last_event_id)
+
+    def metrics_snapshot(self) -> dict[str, float]:
+        index = self.indexer
+        index_blocks = (index.num_blocks() if index is not None
+                        else self.approx.num_blocks() if self.approx is not None else 0)
+        return self.stats.metrics_snapshot(
+            index_blocks, index.events_applied if index else 0, index.gaps_detected if index else 0,
+            index.gaps_recovered if index else 0, self.workers)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _candidates(self, candidates: Sequence[str] | None) -> Sequence[str]:
+        if candidates is None:
+            pool: Sequence[str] = self.workers
+        else:
+            unknown = [w for w in candidates if w not in self._workers]
+            if unknown:
+                raise ValueError(f"candidates not registered with the router: {unknown}")
+            pool = candidates
+        if not pool:
+            raise NoWorkerAvailable("no worker to route to")
+        return pool
+
+    def _select_by_cost(self, request: RoutingRequest, pool: Sequence[str], prompt_blocks: int) -> RoutingDecision:
+        index = self.indexer if self.indexer is not None else self.approx
+        matches: WorkerMatches = index.match(request.block_hashes)  # type: ignore[union-attr]
+        cost, load = self.config.cost, self.load.load
+        terms = [worker_terms(w, prompt_blocks, matches.get(w, _NO_OVERLAP), load(w), cost) for w in pool]
+        chosen_index, reason, probability = choose(terms, cost.temperature, self.rng)
+        chosen = terms[chosen_index]
+        return RoutingDecision(
+            request.request_id, chosen.worker, self.policy, reason, prompt_blocks,
+            overlap_blocks=sum(chosen.overlap.values()), prefill_charge=chosen.new_prefill,
+            decode_charge=chosen.request_decode, probability=probability, terms=terms)
+
+    def _select_by_rule(self, pool: Sequence[str]) -> tuple[str, str]:
+        if self.policy == "round-robin":
+            worker = pool[self._turn % len(pool)]
+            self._turn += 1
+            return worker, "round-robin: next in turn"
+        if self.policy == "random" or len(pool) == 1:
+            return self.rng.choice(pool), f"{self.policy}: uniform among {len(pool)} workers"
+        first, second = self.rng.sample(list(pool), 2)
+        first_load = self.load.load(first).active_blocks
+        second_load = self.load.load(second).active_blocks
+        worker = first if first_load <= second_load else second
+        return worker, (f"power of two choices: {first} ({first_load:g} active blocks) "
+                        f"vs {second} ({second_load:g})")

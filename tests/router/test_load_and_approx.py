@@ -1,0 +1,88 @@
+"""Load tracking (charges, releases, corrections) and the approximate index (TTL, size cap)."""
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.router.approx import ApproxIndexer
+from tokenmill.router.load import LoadTracker, WorkerLoad
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_prefill_is_charged_until_first_token_and_decode_until_finish() -> None:
+    load = LoadTracker()
+    load.add_worker("w")
+    load.on_routed("r1", "w", prefill_blocks=6, decode_blocks=8)
+    load.on_routed("r2", "w", prefill_blocks=2, decode_blocks=3)
+    assert load.load("w") == WorkerLoad(8, 11)
+    load.on_first_token("r1")
+    load.on_first_token("r1")              # repeated: no double release
+    assert load.load("w") == WorkerLoad(2, 11)
+    load.on_finished("r2")                 # finished before its first token (an abort)
+    assert load.load("w") == WorkerLoad(0, 8)
+    load.on_finished("r1")
+    load.on_finished("unknown")
+    assert load.load("w") == WorkerLoad(0, 0) and load.num_requests() == 0
+
+
+def test_worker_reports_correct_drift() -> None:
+    load = LoadTracker()
+    load.add_worker("w")
+    load.on_routed("lost", "w", 4, 10)     # its finish never arrives
+    load.correct("w", prefill_blocks=0, decode_blocks=3)
+    assert load.load("w") == WorkerLoad(0, 3)
+    load.on_routed("r", "w", 2, 5)
+    assert load.load("w") == WorkerLoad(2, 8)
+    load.on_finished("r")
+    assert load.load("w") == WorkerLoad(0, 3)
+    load.on_finished("lost")               # the offset would go negative: clamped at zero
+    assert load.load("w") == WorkerLoad(0, 0)
+
+
+def test_removing_a_worker_drops_its_requests() -> None:
+    load = LoadTracker()
+    load.add_worker("a")
+    load.add_worker("b")
+    load.on_routed("r", "a", 1, 1)
+    load.remove_worker("a")
+    assert load.worker_of("r") is None and load.load("a") == WorkerLoad()
+    with pytest.raises(ValueError, match="unknown worker"):
+        load.on_routed("r2", "a", 1, 1)
+    load.on_routed("r3", "b", 1, 1)
+    with pytest.raises(ValueError, match="already charged"):
+        load.on_routed("r3", "b", 1, 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        load.on_routed("r4", "b", -1, 1)
+
+
+def test_approx_index_matches_recorded_prompts_until_their_ttl() -> None:
+    clock = FakeClock()
+    approx = ApproxIndexer(ttl_s=10.0, max_blocks=100, clock=clock)
+    approx.record("a", [1, 2, 3])
+    clock.now = 6.0
+    approx.record("b", [1, 2])
+    approx.record("a", [1])                # refreshes a's block 1 only
+    assert approx.match([1, 2, 3, 4]) == {"a": {"device": 3}, "b": {"device": 2}}
+    clock.now = 10.5                       # a's blocks 2 and 3 expired, block 1 was refreshed
+    assert approx.match([1, 2, 3]) == {"a": {"device": 1}, "b": {"device": 2}}
+    clock.now = 16.5
+    assert approx.match([1, 2]) == {}
+    assert approx.num_blocks() == 0
+
+
+def test_approx_index_size_cap_forgets_the_oldest() -> None:
+    approx = ApproxIndexer(ttl_s=100.0, max_blocks=4, clock=FakeClock())
+    approx.record("a", [1, 2, 3])
+    approx.record("b", [1, 2, 3])
+    assert approx.num_blocks() == 4
+    assert approx.match([1, 2, 3]) == {"b": {"device": 3}}   # a's 1 and 2 went first
+    approx.remove_worker("b")
+    assert approx.match([1, 2, 3]) == {} and approx.num_blocks() == 1
+    with pytest.raises(ValueError, match="max_blocks"):
+        ApproxIndexer(max_blocks=0)
