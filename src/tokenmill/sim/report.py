@@ -104,7 +104,8 @@ def write_report(out: Path) -> Path:
     parts, results = disagg_advantage(out)
     text = ["# tokenmill sim trend study", "",
             "Model: DeepSeek-R1 (NVFP4 weights, FP8 KV), TensorRT-LLM-fitted tuning. Throughput is output tokens/s/GPU;",
-            "interactivity is tokens/s/user = 1/TPOT. Numbers are simulator output, not measurements.", "",
+            "interactivity is tokens/s/user = 1/TPOT. Numbers are simulator output, not measurements.",
+            "Decode batches are capped at the engine's slots per attention-DP rank (TensorRT-LLM recipe: 384).", "",
             *parts, *wide_ep(out), *decode_prefill_ratio(out, results)]
     path = out / "README.md"
     path.write_text("\n".join(text) + "\n")

@@ -4,6 +4,12 @@ Coverage rules (each excluded row gets a reason):
 - the model must be in the catalog (Qwen3.5's hybrid linear attention and GLM-5 are not modelled);
 - disaggregated rows must say how many prefill and decode workers ran (otherwise per-worker load is unknown);
 - the row needs a concurrency (`silicon_concurrency=` in its source, or batch_size for aggregated rows).
+
+Aggregated rows whose concurrency exceeds the configured batch (29 rows, all TensorRT-LLM) are kept:
+their TTFT shows no admission queue while TPOT grows ~concurrency/batch, so `serving.aggregated`
+models them as resident requests taking turns in the engine's decode slots. Disaggregated rows
+without worker counts are not inferred: nothing else in the row (no GPU total, no per-worker batch)
+pins how the concurrency splits over decode workers, and TPOT depends on exactly that split.
 """
 from __future__ import annotations
 
