@@ -2,16 +2,22 @@
 
 A routed request is charged to its worker at once (`on_routed`): `prefill_blocks` (the
 blocks it must compute) until its first token (`on_first_token`), and `decode_blocks`
-(the blocks it holds on the worker's device) until it ends (`on_finished`, also for an
+(the device blocks it allocates fresh) until it ends (`on_finished`, also for an
 abort or error). Unknown request ids are ignored, so late or repeated calls are harmless.
 
 Counting alone drifts (a lost finish, a request the worker preempted), so workers report
 their own figures now and then and `correct(worker, prefill_blocks, decode_blocks)`
 makes the tracked load equal to the report: the difference is kept as an offset that
-later charges and releases move from. What a worker should report:
-prefill_blocks = blocks of prompts it has admitted but not yet computed;
-decode_blocks  = device blocks referenced by its running sequences
-                 (`BlockPool.num_blocks − BlockPool.num_free_blocks`).
+later charges and releases move from. A report must measure what the router charges
+(cost.py), per request the worker holds:
+prefill_blocks = Σ, over requests not yet past their first token, of the prompt blocks
+                 not found in its prefix cache at admission;
+decode_blocks  = Σ, over all its live requests, of the device blocks each allocated fresh
+                 (its block table minus its prefix-cache hits at admission).
+Not the pool's used blocks: those also count shared prefixes held on behalf of finished
+requests, which the router never charged, and would push traffic off a worker merely for
+caching well (the integration test measures this). A request routed but not yet
+admitted is missing from a report until the next one; that error does not accumulate.
 """
 from __future__ import annotations
 
