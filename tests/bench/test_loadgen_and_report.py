@@ -96,7 +96,7 @@ def test_slo_uses_ttft_and_the_requests_mean_itl() -> None:
     assert tpot_s(fast) == pytest.approx(0.01) and tpot_s(_record(0.05, 0.05, 1)) is None
     slo = SLO(ttft_ms=100, itl_ms=20)
     assert [slo.met(r) for r in (fast, slow_start, slow_tokens)] == [True, False, False]
-    summary = summarize([fast, slow_start, slow_tokens], slo, None, mock_step_ms=5.0, duration_s=1.0)
+    summary = summarize([fast, slow_start, slow_tokens], slo, None, baseline_step_ms=5.0, duration_s=1.0)
     assert summary.goodput == 1.0 and summary.slo_met == 1 and summary.usd_per_million_output_tokens is None
     assert summary.overhead_per_token_ms.p50 == pytest.approx(summary.tpot_ms.p50 - 5.0)
     with pytest.raises(ValueError, match="--slo-itl-ms"):
@@ -135,3 +135,26 @@ def test_bad_flags_and_unreachable_servers_exit_2(flags: list[str], message: str
                                                   caplog: pytest.LogCaptureFixture) -> None:
     assert main(["bench", "serve", *flags, "--quiet"]) == 2
     assert message in caplog.text
+
+
+def test_engine_workload_is_bench_engines_own(tiny_dense, tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    from tokenmill.bench.engine_bench import EngineBenchConfig, make_workload
+    from tokenmill.bench.engine_compare import engine_workload_specs
+    from tokenmill.engine.tokenizer import Tokenizer
+
+    lengths = {"num_requests": 5, "min_input": 8, "max_input": 30, "min_output": 2, "max_output": 9, "seed": 4}
+    specs = engine_workload_specs(str(tiny_dense), lengths)
+    expected = make_workload(EngineBenchConfig(model=str(tiny_dense), num_requests=5, min_prompt=8, max_prompt=30,
+                                               min_output=2, max_output=9, seed=4),
+                             2048, Tokenizer(tiny_dense).special_token_ids)  # as LLMEngine's tokenizer says
+    assert [s.prompt for s in specs] == expected.prompts and [s.output_len for s in specs] == expected.output_lens
+    other = tmp_path / "engine.json"
+    other.write_text(json.dumps({"config": {"num_requests": 5, "min_prompt": 8, "max_prompt": 30, "min_output": 2,
+                                            "max_output": 9, "seed": 1}, "tokenmill": {"output_tokens_per_s": 5.0}}))
+    flags = ["--url", "http://127.0.0.1:9", "--model", "m", "--concurrency", "2", "--num-requests", "5",
+             "--min-input", "8", "--max-input", "30", "--min-output", "2", "--max-output", "9", "--seed", "4",
+             "--engine-workload", str(tiny_dense), "--compare-engine", str(other), "--quiet"]
+    assert main(["bench", "serve", *flags]) == 2  # refused before sending anything
+    assert "its seed is 1, but --seed is 4" in caplog.text
+    assert main(["bench", "serve", *flags[:-3], "--mock-reference", "--quiet"]) == 2
+    assert "--mock-reference needs" in caplog.text

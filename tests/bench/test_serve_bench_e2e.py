@@ -90,3 +90,21 @@ def test_real_runner(tiny_dense: Path, tmp_path: Path) -> None:
     finally:
         stop_server(server)
     _check_complete_and_exact(report)
+
+
+def test_engine_workload_against_the_mock_reference_and_an_engine_json(mock_server: Server, tiny_dense: Path,
+                                                                      tmp_path: Path) -> None:
+    workload = ("--concurrency", "4", "--num-requests", "6", "--min-input", "16", "--max-input", "64",
+                "--min-output", "4", "--max-output", "8", "--engine-workload", str(tiny_dense))
+    report = _bench(mock_server, tmp_path / "m.json", *workload, "--mock-step-ms", "1", "--mock-reference")
+    _check_complete_and_exact(report)
+    results, comparison = report["results"], report["engine_comparison"]
+    assert results["overhead_baseline_ms"] >= 1.0 and results["overhead_per_token_ms"]["count"] == 6
+    assert comparison["ratio"] == pytest.approx(results["output_token_throughput"]
+                                                / comparison["engine_output_tokens_per_s"])
+    engine_json = tmp_path / "engine.json"
+    engine_json.write_text(json.dumps({"config": {"num_requests": 6, "min_prompt": 16, "max_prompt": 64,
+                                                  "min_output": 4, "max_output": 8, "seed": 0},
+                                       "tokenmill": {"output_tokens_per_s": 100.0}}))
+    report = _bench(mock_server, tmp_path / "e.json", *workload, "--compare-engine", str(engine_json))
+    assert report["engine_comparison"]["ratio"] == pytest.approx(report["results"]["output_token_throughput"] / 100)

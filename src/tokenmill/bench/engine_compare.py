@@ -11,6 +11,13 @@ serve ÷ engine. Run the engine side first with the server stopped, so they neve
     tokenmill serve --model M --threads 1 --max-num-seqs 32 --port 8000 &
     tokenmill bench serve --url http://127.0.0.1:8000 --model NAME --concurrency 32 \\
         --engine-workload M --compare-engine engine.json
+
+The frontend's own latency per token needs a known engine step: serve with the mock runner at
+a fixed step (`--runner mock --mock-step-time 0.02,0,0,0`) and add `--mock-step-ms 20
+--mock-reference`: the same workload first runs in-process through the mock engine (same
+step, max_num_seqs = --concurrency, engine defaults otherwise, as the server must be), and
+its wall time per step, i.e. the step plus the engine loop's bookkeeping, is the baseline
+that each request's TPOT is compared with; the throughput ratio is against it too.
 """
 from __future__ import annotations
 
@@ -55,6 +62,20 @@ def engine_tokens_per_s(engine_json: str, lengths: dict[str, int]) -> float:
     if engine_tps <= 0:
         raise ValueError(f"--compare-engine {engine_json}: output_tokens_per_s is {engine_tps}")
     return engine_tps
+
+
+def mock_engine_reference(model_dir: str, specs: list[RequestSpec], step_ms: float,
+                          max_num_seqs: int) -> tuple[float, float]:
+    """(output tokens/s, wall ms per step) of the in-process mock engine on these requests."""
+    from tokenmill.bench.engine_bench import Workload, run_tokenmill
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.mock_runner import StepTimeModel
+
+    engine = LLMEngine(EngineConfig(model=model_dir, threads=1, max_num_seqs=max_num_seqs, runner="mock",
+                                    mock_step_time=StepTimeModel(step_ms / 1e3, 0.0, 0.0, 0.0)))
+    result, _ = run_tokenmill(engine, Workload([s.prompt for s in specs], [s.output_len for s in specs]))
+    return result.output_tokens_per_s, result.mean_wall_step_ms
 
 
 def compare(engine_json: str, engine_tps: float, serve_tps: float) -> EngineComparison:

@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overhead.add_argument("--compare-engine", metavar="ENGINE_JSON", help="`bench engine --json` output")
     overhead.add_argument("--mock-step-ms", type=float, default=None,
                           help="the server's fixed mock step time: report TPOT minus it per token")
+    overhead.add_argument("--mock-reference", action="store_true",
+                          help="run the workload in-process through the mock engine first and subtract "
+                               "its wall step instead (needs --mock-step-ms, --engine-workload, --concurrency)")
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -90,6 +93,10 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--usd-per-hour must be >= 0, got {args.usd_per_hour}")
     if args.compare_engine and not args.engine_workload:
         raise ValueError("--compare-engine needs --engine-workload (the same workload on both sides)")
+    if args.mock_reference and (args.mock_step_ms is None or not args.engine_workload or not args.concurrency):
+        raise ValueError("--mock-reference needs --mock-step-ms, --engine-workload and --concurrency")
+    if args.compare_engine and args.mock_reference:
+        raise ValueError("--compare-engine and --mock-reference are two baselines; give one")
     if args.engine_workload and args.trace:
         raise ValueError("--engine-workload and --trace are different workloads; give one")
     if args.input_len is not None:
@@ -176,12 +183,17 @@ def _config_json(args: argparse.Namespace) -> dict[str, Any]:
     return {"mode": mode, **plain}
 
 
-def _engine_reference(args: argparse.Namespace) -> float | None:
-    if not args.compare_engine:
-        return None
-    from tokenmill.bench.engine_compare import engine_tokens_per_s
+def _engine_reference(args: argparse.Namespace, specs: list[RequestSpec]) -> tuple[float | None, float | None]:
+    """(engine output tokens/s to compare with, per-token baseline ms for the overhead)."""
+    from tokenmill.bench import engine_compare
 
-    return engine_tokens_per_s(args.compare_engine, _length_flags(args))
+    if args.compare_engine:
+        return engine_compare.engine_tokens_per_s(args.compare_engine, _length_flags(args)), args.mock_step_ms
+    if args.mock_reference:
+        log.info("in-process mock engine reference: %d requests", len(specs))
+        return engine_compare.mock_engine_reference(args.engine_workload, specs, args.mock_step_ms,
+                                                    args.concurrency)
+    return None, args.mock_step_ms
 
 
 def run(args: argparse.Namespace) -> int:
@@ -191,17 +203,18 @@ def run(args: argparse.Namespace) -> int:
         _validate(args)
         specs = build_requests(args)
         slo = SLO(args.slo_ttft_ms, args.slo_itl_ms)
-        engine_tps = _engine_reference(args)
+        engine_tps, baseline_step_ms = _engine_reference(args, specs)
         records = _run_with_progress(args, specs)
     except (ValueError, FileNotFoundError) as exc:
         log.error("bench serve: %s", exc)
         return 2
-    summary = summarize(records, slo, args.usd_per_hour, args.mock_step_ms)
+    summary = summarize(records, slo, args.usd_per_hour, baseline_step_ms)
     comparison: EngineComparison | None = None
     if engine_tps is not None:
         from tokenmill.bench.engine_compare import compare
 
-        comparison = compare(args.compare_engine, engine_tps, summary.output_token_throughput)
+        source = args.compare_engine or "in-process mock engine (--mock-reference)"
+        comparison = compare(source, engine_tps, summary.output_token_throughput)
     render_table(summary, comparison, Console())
     if args.json_path:
         report = report_json(_config_json(args), specs, summary, comparison,

@@ -19,8 +19,9 @@ unless the key ends in _ms; definitions in `tokenmill.bench.serve_stats`):
                   request_throughput, output_token_throughput, input_token_throughput (per s),
                   goodput (per s), slo_met, usd_per_million_output_tokens (null: no --usd-per-hour),
                   ttft_ms, itl_ms, tpot_ms, e2e_ms, overhead_per_token_ms:
-                      null or {count, mean, p50, p90, p99, max}  (overhead: only with --mock-step-ms)},
-      "engine_comparison": null or {engine_json, engine_output_tokens_per_s,
+                      null or {count, mean, p50, p90, p99, max}  (overhead: only with --mock-step-ms),
+                  overhead_baseline_ms (per-token time the overhead is measured against, or null)},
+      "engine_comparison": null or {engine_json (or the in-process mock reference), engine_output_tokens_per_s,
                                     serve_output_tokens_per_s, ratio (serve ÷ engine)},
       "requests": only with --save-requests: [{index, prompt_len, output_len (asked), status,
                   start_s, ttft_s, e2e_s, itl_s [gaps], http_status, error, finish_reason,
@@ -116,6 +117,8 @@ def render_table(summary: ServeSummary, comparison: EngineComparison | None, con
             ("goodput (requests / s within SLO)", f"{summary.goodput:.2f} ({summary.slo_met} met)"),
             ("cached-token fraction", f"{summary.cached_fraction:.3f}"),
             ("USD / M output tokens", "-" if cost is None else f"{cost:.4f}")]
+    if summary.overhead_baseline_ms is not None:
+        rows.append(("overhead baseline ms / token", f"{summary.overhead_baseline_ms:.3f}"))
     if comparison is not None:
         rows += [("engine output tokens / s", f"{comparison.engine_output_tokens_per_s:.1f}"),
                  ("serve ÷ engine", f"{comparison.ratio:.3f}")]

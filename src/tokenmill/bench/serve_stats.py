@@ -16,7 +16,10 @@ Definitions (every figure covers the requests with status "ok" unless it says ot
   token every S; the excess is what the stack adds per token: the engine loop's
   bookkeeping, the worker → frontend hop, detokenization, HTTP/SSE and the client's parse.
   Per-request TPOT rather than single ITL gaps, because tokens of one stream often arrive
-  in bursts (several SSE frames per read), which makes single gaps ~0 or ~2·S.
+  in bursts (several SSE frames per read), which makes single gaps ~0 or ~2·S. With
+  --mock-reference the baseline subtracted is instead the in-process mock engine's wall
+  time per step on the same workload (S plus the engine loop's own bookkeeping), so the
+  excess is the serving layer's own: worker process hop, frontend, HTTP/SSE, client.
 """
 from __future__ import annotations
 
@@ -99,6 +102,7 @@ class ServeSummary:
     tpot_ms: Distribution | None
     e2e_ms: Distribution | None
     overhead_per_token_ms: Distribution | None
+    overhead_baseline_ms: float | None  # the per-token time subtracted: S, or the reference's wall step
 
 
 def run_duration_s(records: Sequence[RequestRecord]) -> float:
@@ -110,7 +114,7 @@ def run_duration_s(records: Sequence[RequestRecord]) -> float:
 
 
 def summarize(records: Sequence[RequestRecord], slo: SLO, usd_per_hour: float | None,
-              mock_step_ms: float | None = None, duration_s: float | None = None) -> ServeSummary:
+              baseline_step_ms: float | None = None, duration_s: float | None = None) -> ServeSummary:
     ok = [r for r in records if r.status == OK]
     duration = duration_s if duration_s is not None else run_duration_s(records)
     per_s = 1.0 / duration if duration > 0 else 0.0
@@ -123,8 +127,8 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, usd_per_hour: float | 
     if usd_per_hour is not None and output:
         cost = usd_per_hour * duration / 3600.0 / output * 1e6
     overhead = None
-    if mock_step_ms is not None:
-        overhead = distribution_ms([t - mock_step_ms / 1e3 for r in ok if (t := tpot_s(r)) is not None])
+    if baseline_step_ms is not None:
+        overhead = distribution_ms([t - baseline_step_ms / 1e3 for r in ok if (t := tpot_s(r)) is not None])
     mismatches = sum(1 for r in ok if r.completion_tokens != r.output_len or r.prompt_tokens != r.prompt_len)
     return ServeSummary(
         duration_s=duration, requests_total=len(records), requests_ok=len(ok),
@@ -137,5 +141,5 @@ def summarize(records: Sequence[RequestRecord], slo: SLO, usd_per_hour: float | 
         itl_ms=distribution_ms(gaps),
         tpot_ms=distribution_ms([t for r in ok if (t := tpot_s(r)) is not None]),
         e2e_ms=distribution_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
-        overhead_per_token_ms=overhead,
+        overhead_per_token_ms=overhead, overhead_baseline_ms=baseline_step_ms,
     )
