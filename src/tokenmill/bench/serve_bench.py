@@ -18,6 +18,7 @@ import logging
 import sys
 from typing import Any
 
+import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -44,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--trace", help="open loop: replay a Mooncake-format JSONL trace")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    _add_workload_arguments(parser)
+    _add_report_arguments(parser)
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     lengths = parser.add_argument_group("synthetic prompts (not --trace)")
     lengths.add_argument("--input-len", type=int, help="fixed prompt length (sets --min-input and --max-input)")
     lengths.add_argument("--output-len", type=int, help="fixed output length (sets --min-output and --max-output)")
@@ -58,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     trace.add_argument("--time-scale", type=float, default=1.0, help="multiplies inter-arrival times")
     for name in ("max-requests", "max-input-tokens", "max-output-tokens"):
         trace.add_argument(f"--{name}", type=int, default=None, help="cap (trace mode)")
+
+
+def _add_report_arguments(parser: argparse.ArgumentParser) -> None:
     report = parser.add_argument_group("report")
     report.add_argument("--slo-ttft-ms", type=float, default=None)
     report.add_argument("--slo-itl-ms", type=float, default=None, help="applies to each request's mean ITL")
@@ -137,7 +146,7 @@ def _check_fits(specs: list[RequestSpec], card: dict[str, Any]) -> None:
                          "--max-input/--max-output (or --max-input-tokens/--max-output-tokens with --trace)")
 
 
-async def _warm_up(client: Any, target: loadgen.Target, args: argparse.Namespace) -> None:
+async def _warm_up(client: httpx.AsyncClient, target: loadgen.Target, args: argparse.Namespace) -> None:
     import numpy as np
 
     space = TokenSpace(args.vocab_size, args.min_token_id)
