@@ -24,6 +24,11 @@ def check_model(requested: str, served: str) -> None:
                        param="model", code="model_not_found")
 
 
+def check_request(body: SamplingFields, served_model: str) -> None:
+    check_model(body.model, served_model)
+    reject_unsupported(body)
+
+
 def reject_unsupported(body: SamplingFields) -> None:
     """OpenAI fields we cannot honour, each only when set to something other than its no-op value."""
     unsupported: list[tuple[str, bool, str]] = [

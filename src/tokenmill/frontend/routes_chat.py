@@ -6,35 +6,25 @@ it has no text).
 """
 from __future__ import annotations
 
-import time
+import asyncio
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from tokenmill.engine.request import RequestOutput
 from tokenmill.engine.sampling import TokenLogprob
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.body import parse_body
 from tokenmill.frontend.formatting import api_finish_reason, chat_logprobs, new_request_id, usage_of
 from tokenmill.frontend.generation import ServingContext
-from tokenmill.frontend.request_args import (chat_limits, chat_prompt, check_context_length, check_model,
-                                             reject_unsupported, sampling_params)
+from tokenmill.frontend.request_args import (chat_limits, chat_prompt, check_context_length, check_request,
+                                             sampling_params)
 from tokenmill.frontend.schema import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatChunkChoice,
                                        ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
                                        Usage)
-from tokenmill.frontend.streaming import serve_generation
+from tokenmill.frontend.streaming import ChunkWriter, serve_generation
 
 
-class ChatChunks:
-    """Builds both the streamed chunks and the one-shot response of a chat completion."""
-
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self.tokenizer = tokenizer
-        self.want_logprobs = want_logprobs
-
+class ChatChunks(ChunkWriter):
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                    usage=usage)
@@ -46,8 +36,8 @@ class ChatChunks:
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
 
     def for_delta(self, out: RequestOutput) -> list[ChatCompletionChunk]:
-        if not out.new_text and not out.finished and not (self.want_logprobs and out.new_logprobs):
-            return []  # text held back (a partial character or a possible stop string)
+        if self.skips(out):
+            return []
         delta = ChatDelta(content=out.new_text if (out.new_text or not out.finished) else None)
         choice = ChatChunkChoice(delta=delta, logprobs=self._logprobs(out.new_logprobs),
                                  finish_reason=api_finish_reason(out.finish_reason) if out.finished else None)
@@ -71,17 +61,15 @@ def chat_router(ctx: ServingContext) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, ctx.max_body_bytes)
-        check_model(body.model, ctx.served_model_name)
-        reject_unsupported(body)
-        prompt = chat_prompt(body, ctx.backend.tokenizer)
+        check_request(body, ctx.served_model_name)
+        # off the event loop: a long prompt takes seconds to tokenize, stalling every stream
+        prompt = await asyncio.to_thread(chat_prompt, body, ctx.backend.tokenizer)
         check_context_length(prompt, ctx.backend.max_model_len, "messages")
         max_tokens, logprobs, limit_field = chat_limits(body, len(prompt), ctx.backend.max_model_len)
         aliases = {"prompt": "messages", "max_tokens": limit_field, "logprobs": "top_logprobs"}
         params = sampling_params(body, max_tokens, logprobs, aliases)
-        request_id = new_request_id("chatcmpl")
-        chunks = ChatChunks(request_id, ctx.served_model_name, ctx.backend.tokenizer, logprobs is not None)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await serve_generation(ctx, request, request_id, prompt, params, aliases, bool(body.stream), chunks,
-                                      include_usage, chunks.whole)
+        chunks = ChatChunks(new_request_id("chatcmpl"), ctx.served_model_name, ctx.backend.tokenizer,
+                            logprobs is not None)
+        return await serve_generation(ctx, request, body, prompt, params, aliases, chunks)
 
     return router

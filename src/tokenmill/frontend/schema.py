@@ -99,12 +99,18 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """The fields every completion object and chunk opens with, in OpenAI's order."""
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
     system_fingerprint: str | None = None
+
+
+class CompletionResponse(_Envelope):
+    """Both the whole response and each streamed chunk of /v1/completions."""
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -137,12 +143,8 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage | None = None
 
@@ -164,12 +166,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 

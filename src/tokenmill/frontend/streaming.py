@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,10 +20,11 @@ from pydantic import BaseModel
 
 from tokenmill.engine.request import FINISH_ERROR, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
+from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.errors import SERVER_ERROR, APIError, error_body
 from tokenmill.frontend.formatting import usage_of
 from tokenmill.frontend.generation import ClientGone, ServingContext, TokenStream, cancel_on_disconnect
-from tokenmill.frontend.schema import ErrorDetail, Usage
+from tokenmill.frontend.schema import ErrorDetail, SamplingFields, Usage
 
 log = logging.getLogger(__name__)
 # nginx's "client closed request": nobody reads it, but access logs should say what happened.
@@ -32,14 +34,31 @@ DONE_FRAME = "data: [DONE]\n\n"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-class ChunkWriter(Protocol):
-    """Turns deltas into the endpoint's chunk objects."""
+class ChunkWriter:
+    """One request's response objects: the streamed chunks and the one-shot body (per endpoint)."""
 
-    def opening(self) -> list[BaseModel]: ...
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.want_logprobs = want_logprobs
 
-    def for_delta(self, out: RequestOutput) -> list[BaseModel]: ...
+    def opening(self) -> list[BaseModel]:
+        return []
 
-    def usage_chunk(self, usage: Usage) -> BaseModel: ...
+    def for_delta(self, out: RequestOutput) -> list[BaseModel]:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: Usage) -> BaseModel:
+        raise NotImplementedError
+
+    def whole(self, outputs: list[RequestOutput]) -> BaseModel:
+        raise NotImplementedError
+
+    def skips(self, out: RequestOutput) -> bool:
+        """A delta with nothing to show: its text is held back (a partial character, a possible stop string)."""
+        return not out.new_text and not out.finished and not (self.want_logprobs and out.new_logprobs)
 
 
 def sse_frame(payload: dict[str, Any]) -> str:
@@ -79,19 +98,18 @@ def sse_response(stream: TokenStream, writer: ChunkWriter, include_usage: bool) 
                              headers=_SSE_HEADERS)
 
 
-async def serve_generation(ctx: ServingContext, request: Request, request_id: str, prompt: list[int],
-                           params: SamplingParams, aliases: dict[str, str], streamed: bool,
-                           writer: ChunkWriter, include_usage: bool,
-                           build_response: Callable[[list[RequestOutput]], BaseModel]) -> Response:
-    """Run one generation and answer with SSE (`streamed`) or one JSON body."""
+async def serve_generation(ctx: ServingContext, request: Request, body: SamplingFields, prompt: list[int],
+                           params: SamplingParams, aliases: dict[str, str], writer: ChunkWriter) -> Response:
+    """Run one generation and answer with SSE (`body.stream`) or one JSON body."""
+    request_id = writer.request_id
     try:
         tokens = await cancel_on_disconnect(request, TokenStream.open(ctx, request_id, prompt, params, aliases))
     except ClientGone:
         ctx.metrics.count_request("disconnected")
         log.info("client left before %s started", request_id)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    if streamed:
-        return sse_response(tokens, writer, include_usage)
+    if body.stream:
+        return sse_response(tokens, writer, bool(body.stream_options and body.stream_options.include_usage))
     try:
         outputs = await cancel_on_disconnect(request, tokens.collect())
     except ClientGone:
@@ -99,4 +117,4 @@ async def serve_generation(ctx: ServingContext, request: Request, request_id: st
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if outputs[-1].finish_reason == FINISH_ERROR:
         raise APIError(500, tokens.error_message or "generation failed", SERVER_ERROR, code="internal_error")
-    return JSONResponse(build_response(outputs).model_dump(mode="json"))
+    return JSONResponse(writer.whole(outputs).model_dump(mode="json"))
