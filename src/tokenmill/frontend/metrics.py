@@ -80,6 +80,7 @@ class _BackendCollector(Collector):
         self.snapshot = snapshot
         self.rate = rate
         self.usd_per_worker_hour = usd_per_worker_hour
+        self._warned: set[str] = set()  # malformed keys, logged once rather than at every scrape
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -93,13 +94,14 @@ class _BackendCollector(Collector):
             yield GaugeMetricFamily("tokenmill_cost_per_million_output_tokens_usd",
                                     "worker cost per million output tokens at the recent output rate", value=cost)
 
-    @staticmethod
-    def _gauges(snapshot: dict[str, float]) -> Iterator[Metric]:
+    def _gauges(self, snapshot: dict[str, float]) -> Iterator[Metric]:
         families: dict[str, tuple[GaugeMetricFamily, list[str]]] = {}
         for key, value in sorted(snapshot.items()):
             parsed = parse_series(key)
             if parsed is None:
-                log.warning("ignoring malformed backend metric %r", key)
+                if key not in self._warned:
+                    self._warned.add(key)
+                    log.warning("ignoring malformed backend metric %r", key)
                 continue
             name, labels = parsed
             if name not in families:
