@@ -16,6 +16,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "embedded engine vs transformers generate(), with the decode step's memory floor"),
     ("serve", "tokenmill.bench.serve_bench",
      "load generator: fixed concurrency, Poisson rate or Mooncake trace replay against an OpenAI server"),
+    ("router", "tokenmill.bench.router_bench",
+     "KV router hot paths: decisions/s and latency over a 1M-block index, KV events applied/s"),
 )
 
 

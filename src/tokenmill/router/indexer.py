@@ -33,10 +33,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import not_
-
-from tokenmill.kv.events import TIERS, KVEvent
+from tokenmill.kv.events import TIERS, BlockRemoved, BlockStored, KVEvent
 from tokenmill.router.prefix_walk import WorkerSlots, walk_one_tier, walk_tiers
 
 WorkerMatches = dict[str, dict[str, int]]  # worker -> tier -> leading blocks held there
@@ -54,7 +51,7 @@ class ApplyStatus(enum.Enum):
 class _WorkerState:
     slot: int
     bit: int
-    blocks: dict[str, set[int]]
+    counts: dict[str, int]  # tier -> blocks held (kept exact by the bit checks)
     last_event_id: int = -1
     awaiting_snapshot: bool = False
     buffered: list[KVEvent] = field(default_factory=list)
@@ -82,25 +79,33 @@ class KVIndexer:
     def apply(self, event: KVEvent) -> ApplyStatus:
         state = self._workers.get(event.worker) or self._add_worker(event.worker)
         event_id = event.event_id
-        if event_id <= state.last_event_id:
-            if event_id != 0:
-                self.stale_events += 1
-                return ApplyStatus.STALE
-            self._drop_blocks(state)  # the worker restarted and numbers from 0 again
-            state.awaiting_snapshot, state.buffered = False, []
         status = ApplyStatus.APPLIED
-        if state.awaiting_snapshot:
-            if len(state.buffered) < self.max_buffered_events:
-                state.buffered.append(event)
-            status = ApplyStatus.AWAITING_SNAPSHOT
-        elif event_id > state.last_event_id + 1:
-            self.gaps_detected += 1
-            state.awaiting_snapshot, state.buffered = True, [event]
-            status = ApplyStatus.GAP
+        if event_id != state.last_event_id + 1 or state.awaiting_snapshot:
+            status = self._check_order(state, event)
+            if status is ApplyStatus.STALE:
+                return status
         state.last_event_id = event_id
         self._apply_change(state, event)
         self.events_applied += 1
         return status
+
+    def _check_order(self, state: _WorkerState, event: KVEvent) -> ApplyStatus:
+        """The slow path of `apply`: duplicates, restarts, gaps, events while awaiting a snapshot."""
+        if event.event_id <= state.last_event_id:
+            if event.event_id != 0:
+                self.stale_events += 1
+                return ApplyStatus.STALE
+            self._drop_blocks(state)  # the worker restarted and numbers from 0 again
+            state.awaiting_snapshot, state.buffered, state.last_event_id = False, [], -1
+        if state.awaiting_snapshot:
+            if len(state.buffered) < self.max_buffered_events:
+                state.buffered.append(event)
+            return ApplyStatus.AWAITING_SNAPSHOT
+        if event.event_id > state.last_event_id + 1:
+            self.gaps_detected += 1
+            state.awaiting_snapshot, state.buffered = True, [event]
+            return ApplyStatus.GAP
+        return ApplyStatus.APPLIED
 
     def apply_snapshot(self, worker: str, tier_hashes: Mapping[str, Iterable[int]],
                        last_event_id: int) -> ApplyStatus:
@@ -165,13 +170,16 @@ class KVIndexer:
         return -1 if state is None else state.last_event_id
 
     def worker_blocks(self, worker: str) -> dict[str, set[int]]:
-        """A copy of tier -> hashes the index holds for `worker`."""
+        """tier -> hashes the index holds for `worker` (scans the index: for tests and debugging)."""
         state = self._workers.get(worker)
-        return {} if state is None else {tier: set(s) for tier, s in state.blocks.items() if s}
+        if state is None:
+            return {}
+        found = {tier: self._scan(tier, state.bit) for tier in TIERS}
+        return {tier: set(hashes) for tier, hashes in found.items() if hashes}
 
     def num_blocks(self) -> int:
         """Index size: (worker, tier, block) entries."""
-        return sum(len(s) for state in self._workers.values() for s in state.blocks.values())
+        return sum(sum(state.counts.values()) for state in self._workers.values())
 
     def num_hashes(self) -> int:
         """Distinct (tier, block) keys."""
@@ -181,47 +189,59 @@ class KVIndexer:
 
     def _add_worker(self, worker: str) -> _WorkerState:
         slot = self._slots.assign(worker)
-        state = _WorkerState(slot, 1 << slot, {tier: set() for tier in TIERS})
+        state = _WorkerState(slot, 1 << slot, dict.fromkeys(TIERS, 0))
         self._workers[worker] = state
         return state
 
     def _apply_change(self, state: _WorkerState, event: KVEvent) -> None:
-        kind = event.kind
-        if kind == "stored":
-            parent = event.parent  # type: ignore[union-attr]
-            if parent is not None and not any(parent in s for s in state.blocks.values()):
+        kind = type(event)
+        if kind is BlockStored:
+            parent, tier = event.parent, event.tier  # type: ignore[union-attr]
+            if parent is not None and not self._holders[tier].get(parent, 0) & state.bit \
+                    and not any(holders.get(parent, 0) & state.bit for holders in self._holders.values()):
                 self.orphans += 1
-            self._store(state, event.tier, event.hashes)  # type: ignore[union-attr]
-        elif kind == "removed":
+            self._store(state, tier, event.hashes)  # type: ignore[union-attr]
+        elif kind is BlockRemoved:
             self._remove(state, event.tier, event.hashes)  # type: ignore[union-attr]
         else:
             self._drop_blocks(state)
 
+    # Per-block loops over one big dict: the bit test makes both idempotent and keeps the
+    # per-worker counts exact; no per-worker sets, because every extra structure touched
+    # per block is another cache miss on a million-entry index.
     def _store(self, state: _WorkerState, tier: str, hashes: Iterable[int]) -> None:
-        held = state.blocks[tier]
-        new = set(hashes)
-        new -= held
-        if not new:
-            return  # a re-announcement: stored events are idempotent
-        held |= new
         holders = self._holders[tier]
-        # C-level loop: OR the worker's bit into each new block's mask
-        holders.update(zip(new, map(state.bit.__or__, map(holders.get, new, repeat(0)))))
+        get, bit, added = holders.get, state.bit, 0
+        for block_hash in hashes:
+            mask = get(block_hash, 0)
+            if not mask:
+                holders[block_hash] = bit  # the one shared int object: no allocation, stays in cache
+                added += 1
+            elif not mask & bit:
+                holders[block_hash] = mask | bit
+                added += 1
+        state.counts[tier] += added
 
     def _remove(self, state: _WorkerState, tier: str, hashes: Iterable[int]) -> None:
-        held = state.blocks[tier]
-        gone = tuple(held.intersection(hashes))
-        if not gone:
-            return
-        held.difference_update(gone)
         holders = self._holders[tier]
-        masks = list(map((~state.bit).__and__, map(holders.__getitem__, gone)))
-        holders.update(zip(gone, masks))
-        if 0 in masks:
-            for block_hash in compress(gone, map(not_, masks)):
-                del holders[block_hash]
+        get, bit, removed = holders.get, state.bit, 0
+        for block_hash in hashes:
+            mask = get(block_hash, 0)
+            if mask & bit:
+                mask ^= bit
+                if mask:
+                    holders[block_hash] = mask
+                else:
+                    del holders[block_hash]
+                removed += 1
+        state.counts[tier] -= removed
 
     def _drop_blocks(self, state: _WorkerState) -> None:
-        for tier, held in state.blocks.items():
-            if held:
-                self._remove(state, tier, list(held))
+        """Everything of one worker: a scan of the index, O(index size), for the rare events
+        (cleared, a worker leaving, a snapshot) so that the per-event paths stay lean."""
+        for tier, count in state.counts.items():
+            if count:
+                self._remove(state, tier, self._scan(tier, state.bit))
+
+    def _scan(self, tier: str, bit: int) -> list[int]:
+        return [block_hash for block_hash, mask in self._holders[tier].items() if mask & bit]

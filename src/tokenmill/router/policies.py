@@ -73,7 +73,8 @@ class Router:
         self.indexer = KVIndexer(self.config.cost.tier_preference()) if self.policy == "kv" else None
         self.approx = (ApproxIndexer(self.config.approx_ttl_s, self.config.approx_max_blocks, clock)
                        if self.policy == "kv-approx" else None)
-        self.stats = RouterStats(self.policy == "kv", self.config.events_stale_after_s, clock=clock)
+        events_counter = (lambda: self.indexer.events_applied) if self.indexer is not None else None  # type: ignore[union-attr]
+        self.stats = RouterStats(events_counter, self.config.events_stale_after_s, clock=clock)
         self._workers: dict[str, None] = {}  # insertion-ordered set
         self._turn = 0
 
@@ -112,6 +113,7 @@ class Router:
         if self.approx is not None:
             self.approx.record(decision.worker, request.block_hashes)
         self.stats.observe_decision(self.policy, self.timer() - started, decision.overlap_blocks)
+        self.stats.events_stale()  # raises the alarm (a warning) even when nobody scrapes
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", decision.explain())
         return decision
@@ -130,7 +132,6 @@ class Router:
     def apply_event(self, event: KVEvent) -> ApplyStatus:
         if self.indexer is None or event.worker not in self._workers:
             return ApplyStatus.IGNORED
-        self.stats.observe_event()
         return self.indexer.apply(event)
 
     def apply_snapshot(self, worker: str, tier_hashes: Mapping[str, Iterable[int]],

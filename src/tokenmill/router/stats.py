@@ -57,11 +57,13 @@ class Histogram:
 
 
 class RouterStats:
-    def __init__(self, kv_events_expected: bool, stale_after_s: float = 30.0, min_decisions: int = 10,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, events_counter: Callable[[], int] | None, stale_after_s: float = 30.0,
+                 min_decisions: int = 10, clock: Callable[[], float] = time.monotonic) -> None:
+        """`events_counter`: KV events applied so far (None when no events are expected);
+        read at decisions and checks rather than called per event, to keep events cheap."""
         if stale_after_s <= 0:
             raise ValueError(f"stale_after_s must be positive, got {stale_after_s}")
-        self.kv_events_expected = kv_events_expected
+        self.events_counter = events_counter
         self.stale_after_s = stale_after_s
         self.min_decisions = min_decisions
         self.clock = clock
@@ -69,6 +71,7 @@ class RouterStats:
         self.overlap_blocks = Histogram(OVERLAP_BLOCKS_BUCKETS)
         self.decisions_by_policy: dict[str, int] = {}
         self._last_event_at = clock()
+        self._events_seen = 0
         self._decisions_since_event = 0
         self._stale = False
 
@@ -76,27 +79,31 @@ class RouterStats:
         self.decision_latency.observe(latency_s)
         self.overlap_blocks.observe(overlap_blocks)
         self.decisions_by_policy[policy] = self.decisions_by_policy.get(policy, 0) + 1
+        self._note_events()
         self._decisions_since_event += 1
-
-    def observe_event(self) -> None:
-        self._last_event_at = self.clock()
-        self._decisions_since_event = 0
-        if self._stale:
-            self._stale = False
-            log.info("KV events are arriving again; KV-aware routing resumed")
 
     def events_stale(self) -> bool:
         """Re-evaluate (cheap) and return the stale flag; logs a warning when it rises."""
-        if not self.kv_events_expected:
+        if self.events_counter is None:
             return False
+        self._note_events()
         silent_for = self.clock() - self._last_event_at
         stale = silent_for >= self.stale_after_s and self._decisions_since_event >= self.min_decisions
         if stale and not self._stale:
             log.warning("no KV events for %.0f s across %d routing decisions: KV-aware routing has "
                         "silently become load-only (do the workers publish events?)",
                         silent_for, self._decisions_since_event)
+        elif self._stale and not stale:
+            log.info("KV events are arriving again; KV-aware routing resumed")
         self._stale = stale
         return stale
+
+    def _note_events(self) -> None:
+        if self.events_counter is None:
+            return
+        seen = self.events_counter()
+        if seen != self._events_seen:
+            self._events_seen, self._last_event_at, self._decisions_since_event = seen, self.clock(), 0
 
     def metrics_snapshot(self, index_blocks: int, events_applied: int, gaps_detected: int,
                          gaps_recovered: int, workers: Sequence[str]) -> dict[str, float]:
