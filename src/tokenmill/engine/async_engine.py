@@ -114,6 +114,8 @@ class AsyncLLMEngine:
 
     @staticmethod
     def _execute(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # the caller gave up (cancelled) before the engine got to it: skip, don't add
         try:
             future.set_result(fn())
         except Exception as exc:

@@ -43,6 +43,8 @@ class EngineStats:
     decode_step_seconds: float  # steps that only decoded
     num_decode_only_steps: int
     num_preemptions: int
+    prefill_blocks: int  # uncached blocks of requests still before their first token (waiting included)
+    decode_blocks: int  # blocks generating requests hold beyond their prefix hits
 
 
 class LLMEngine:
@@ -193,8 +195,21 @@ class LLMEngine:
                     done[out.request_id].extend(out.new_token_ids)
         return [done[rid] for rid in ids]
 
+    def _active_blocks(self) -> tuple[int, int]:
+        """What the router charges: blocks each request holds beyond its prefix-cache hits."""
+        bs, prefill, decode = self.config.block_size, 0, 0
+        for request in (*self.scheduler.running, *self.scheduler.waiting):
+            blocks = -(-request.num_tokens // bs) - request.num_cached_tokens // bs
+            if request.output_token_ids:
+                decode += blocks
+            else:
+                prefill += blocks
+        return prefill, decode
+
     def stats(self) -> EngineStats:
+        """A consistent view only on the engine's own thread (AsyncLLMEngine.stats)."""
         c, s = self._counters, self._seconds
+        prefill_blocks, decode_blocks = self._active_blocks()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=self.pool.usage(), num_free_blocks=self.pool.num_free_blocks,
@@ -202,4 +217,5 @@ class LLMEngine:
             num_steps=c["steps"], prefill_tokens=c["prefill"], decode_tokens=c["decode"],
             prefill_step_seconds=s["prefill"], decode_step_seconds=s["decode"],
             num_decode_only_steps=c["decode_steps"], num_preemptions=c["preemptions"],
+            prefill_blocks=prefill_blocks, decode_blocks=decode_blocks,
         )

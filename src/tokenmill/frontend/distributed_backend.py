@@ -20,6 +20,9 @@ from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.backend import BackendUnavailable, Overloaded
 from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool
+from tokenmill.kv.hashing import block_hashes
+from tokenmill.router.decision import RoutingRequest
+from tokenmill.router.policies import NoWorkerAvailable
 from tokenmill.runtime import protocol as p
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,8 @@ class DistributedBackend:
 
     def metrics_snapshot(self) -> dict[str, float]:
         snap: dict[str, float] = {"tokenmill_workers": float(len(self.pool.connections)),
-                                  "tokenmill_request_migrations_total": float(self.migrations_total)}
+                                  "tokenmill_request_migrations_total": float(self.migrations_total),
+                                  **self.pool.router.metrics_snapshot()}
         for conn in self.pool.connections.values():
             for key in ("kv_usage", "prefix_hit_rate", "num_waiting", "num_running"):
                 if key in conn.load:
@@ -71,20 +75,38 @@ class DistributedBackend:
         deadline = deadline or time.monotonic() + self.default_timeout_s
         excluded: set[str] = set()
         while not progress.finished:
-            conn = self._pick(progress, excluded) if progress.migrations <= self.max_migrations else None
+            conn = self._pick(request_id, progress, excluded) if progress.migrations <= self.max_migrations else None
             if conn is None:
                 yield self._final(request_id, progress, FINISH_ERROR)
                 return
-            async for out in self._attempt(conn, request_id, progress, deadline, excluded):
-                yield out
+            try:
+                async for out in self._attempt(conn, request_id, progress, deadline, excluded):
+                    yield out
+            finally:
+                self.pool.router.on_finished(request_id)
 
-    def _pick(self, progress: _Progress, excluded: set[str]) -> WorkerConnection | None:
-        conn = self.pool.pick(excluded)
-        if conn is not None or progress.generated or progress.migrations:
-            return conn
+    def _pick(self, request_id: str, progress: _Progress, excluded: set[str]) -> WorkerConnection | None:
+        """The router's choice among live workers not yet tried; errors only before any output."""
+        candidates = [w for w in self.pool.connections if w not in excluded]
+        if candidates:
+            tokens = progress.prompt + progress.generated
+            block_size, seed = self._hashing()
+            request = RoutingRequest(request_id, block_hashes(tokens, block_size, seed), len(tokens))
+            try:
+                return self.pool.connections[self.pool.router.select(request, candidates).worker]
+            except NoWorkerAvailable:
+                pass
+        if progress.generated or progress.migrations:
+            return None
         if excluded:
             raise Overloaded(retry_after=1.0)
         raise BackendUnavailable("no worker is available")
+
+    def _hashing(self) -> tuple[int, int]:
+        """Block size and hash seed the workers cache with (all workers of a pool agree)."""
+        for conn in self.pool.connections.values():
+            return int(conn.info.metadata.get("block_size", 16)), int(conn.info.metadata.get("hash_seed", 0))
+        return 16, 0
 
     async def _attempt(self, conn: WorkerConnection, request_id: str, progress: _Progress,
                        deadline: float, excluded: set[str]) -> AsyncIterator[RequestOutput]:
@@ -105,6 +127,8 @@ class DistributedBackend:
                     self._raise_for_error(msg, conn, progress, excluded)
                     return
                 else:
+                    if not progress.generated:
+                        self.pool.router.on_first_token(request_id)
                     out = self._account(p.output_from_wire(msg), progress)
                     worker_done = progress.finished = out.finished
                     yield out

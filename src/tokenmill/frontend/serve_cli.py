@@ -31,6 +31,10 @@ def _add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
     parser.add_argument("--usd-per-worker-hour", type=float, default=0.0)
     parser.add_argument("--request-timeout-s", type=float, default=600.0, help="deadline of every request")
+    parser.add_argument("--router", default=None, choices=["kv", "kv-approx", "round-robin", "random", "least-loaded"],
+                        help="how requests are routed to workers (default: kv with several workers)")
+    parser.add_argument("--router-temperature", type=float, default=0.0,
+                        help="> 0 samples workers with softmax over normalised costs")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -62,9 +66,12 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
 
     registry = run_dir / "registry"
     discovery = FileDiscovery(registry)
+    events = _router_policy(args) == "kv"
     specs = [ChildSpec(f"worker-{i}", [sys.executable, "-m", "tokenmill.cli", "--log-level", args.log_level,
                                        "worker", *engine_args, "--worker-id", f"worker-{i}",
                                        "--address", f"ipc://{run_dir}/worker-{i}.sock",
+                                       *(["--events-address", f"ipc://{run_dir}/worker-{i}-events.sock"]
+                                         if events else []),
                                        "--discovery", f"file:{registry}", "--parent-pid", str(os.getpid()),
                                        *(["--max-queue", str(args.max_queue)] if args.max_queue is not None else []),
                                        "--served-model-name", _model_name(args)])
@@ -86,6 +93,12 @@ def _worker_died(backend, discovery, name: str) -> None:
     backend.pool.drop(name, "process exited")
 
 
+def _router_policy(args: argparse.Namespace) -> str:
+    if args.router is not None:
+        return args.router
+    return "kv" if getattr(args, "workers", 2) > 1 else "least-loaded"
+
+
 def _model_name(args: argparse.Namespace) -> str:
     return args.served_model_name or Path(args.model).resolve().name
 
@@ -95,10 +108,14 @@ def _backend(args: argparse.Namespace, discovery):
     from tokenmill.engine.tokenizer import Tokenizer
     from tokenmill.frontend.distributed_backend import DistributedBackend
     from tokenmill.frontend.worker_pool import WorkerPool
+    from tokenmill.router.cost import CostConfig
+    from tokenmill.router.policies import Router, RouterConfig
 
     config = load_model_config(args.model)
     limit = args.max_model_len or config.max_position_embeddings
-    return DistributedBackend(WorkerPool(discovery), Tokenizer(args.model), _model_name(args), limit,
+    router = Router(RouterConfig(policy=_router_policy(args), block_size=getattr(args, "block_size", 16),
+                                 cost=CostConfig(temperature=args.router_temperature)))
+    return DistributedBackend(WorkerPool(discovery, router), Tokenizer(args.model), _model_name(args), limit,
                               default_timeout_s=args.request_timeout_s)
 
 

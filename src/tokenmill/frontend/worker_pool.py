@@ -1,9 +1,11 @@
 """The frontend's view of the workers: one DEALER connection each, kept in step with
-discovery, with liveness from heartbeats.
+discovery, with liveness from heartbeats, feeding the router.
 
 A worker is dropped when discovery stops listing it or when nothing (heartbeat or
 tokens) has arrived from it for `heartbeat_timeout_s`; every stream still open on
-it then receives a `LOST` marker, so the request can be migrated.
+it then receives a `LOST` marker, so the request can be migrated. Workers that
+publish KV events get a SUB socket too: events go to the router's index, and a
+gap in event ids triggers a snapshot request answered on the DEALER socket.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from tokenmill.kv.events import event_from_wire
+from tokenmill.router.indexer import ApplyStatus
+from tokenmill.router.policies import Router
 from tokenmill.runtime import protocol as p
 from tokenmill.runtime.discovery import Discovery, WorkerInfo
 
@@ -24,15 +29,23 @@ LOST: dict[str, Any] = {"type": "worker_lost"}
 
 
 class WorkerConnection:
-    def __init__(self, info: WorkerInfo, ctx: zmq.asyncio.Context) -> None:
+    def __init__(self, info: WorkerInfo, ctx: zmq.asyncio.Context, router: Router) -> None:
         self.info = info
+        self.router = router
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(info.address)
         self.streams: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self.last_seen = time.monotonic()
         self.load: dict[str, float] = dict(info.metadata)
-        self._reader = asyncio.create_task(self._read())
+        self._tasks = [asyncio.create_task(self._read())]
+        self._events: zmq.asyncio.Socket | None = None
+        if info.metadata.get("events_address") and router.indexer is not None:
+            self._events = ctx.socket(zmq.SUB)
+            self._events.setsockopt(zmq.LINGER, 0)
+            self._events.setsockopt(zmq.SUBSCRIBE, b"")
+            self._events.connect(info.metadata["events_address"])
+            self._tasks.append(asyncio.create_task(self._read_events(self._events)))
         self.send({"type": p.HELLO})
 
     @property
@@ -51,11 +64,14 @@ class WorkerConnection:
         self.streams.pop(request_id, None)
 
     def close(self) -> None:
-        self._reader.cancel()
+        for task in self._tasks:
+            task.cancel()
         for queue in self.streams.values():
             queue.put_nowait(LOST)
         self.streams.clear()
         self.socket.close()
+        if self._events is not None:
+            self._events.close()
 
     async def _read(self) -> None:
         while True:
@@ -67,16 +83,38 @@ class WorkerConnection:
                 log.warning("worker %s sent a bad frame: %s", self.worker_id, exc)
                 continue
             if msg["type"] == p.HEARTBEAT:
-                self.load.update(msg.get("load") or {})
+                self._on_heartbeat(msg.get("load") or {})
+            elif msg["type"] == p.KV_SNAPSHOT:
+                self.router.apply_snapshot(self.worker_id, msg.get("tiers") or {}, int(msg["last_event_id"]))
+            else:
+                queue = self.streams.get(str(msg.get("request_id")))
+                if queue is not None:
+                    queue.put_nowait(msg)
+
+    def _on_heartbeat(self, load: dict[str, float]) -> None:
+        self.load.update(load)
+        if "prefill_blocks" in load:
+            self.router.report_load(self.worker_id, load["prefill_blocks"], load.get("decode_blocks", 0.0))
+
+    async def _read_events(self, subscription: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                msg = p.unpack(await subscription.recv())
+                events = [event_from_wire(e) for e in msg.get("events") or []]
+            except ValueError as exc:  # ProtocolError included: skip it, the id gap will show
+                log.warning("worker %s sent bad KV events: %s", self.worker_id, exc)
                 continue
-            queue = self.streams.get(str(msg.get("request_id")))
-            if queue is not None:
-                queue.put_nowait(msg)
+            for event in events:
+                if self.router.apply_event(event) is ApplyStatus.GAP:
+                    self.send({"type": p.KV_SNAPSHOT})
+                    break
 
 
 class WorkerPool:
-    def __init__(self, discovery: Discovery, heartbeat_timeout_s: float = 1.5, poll_s: float = 0.2) -> None:
+    def __init__(self, discovery: Discovery, router: Router, heartbeat_timeout_s: float = 1.5,
+                 poll_s: float = 0.2) -> None:
         self.discovery = discovery
+        self.router = router
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.poll_s = poll_s
         self.ctx = zmq.asyncio.Context.instance()
@@ -94,15 +132,9 @@ class WorkerPool:
             conn.close()
         self.connections.clear()
 
-    def pick(self, exclude: set[str]) -> WorkerConnection | None:
-        """The live worker with the fewest requests in flight (the router issue refines this)."""
-        candidates = [c for c in self.connections.values() if c.worker_id not in exclude]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda c: (len(c.streams) + c.load.get("num_waiting", 0), c.worker_id))
-
     def drop(self, worker_id: str, reason: str) -> None:
         conn = self.connections.pop(worker_id, None)
+        self.router.remove_worker(worker_id)
         if conn is not None:
             log.warning("worker %s left (%s); %d requests to migrate", worker_id, reason, len(conn.streams))
             conn.close()
@@ -120,7 +152,8 @@ class WorkerPool:
         for worker_id, info in live.items():
             if worker_id not in self.connections:
                 log.info("worker %s joined at %s", worker_id, info.address)
-                self.connections[worker_id] = WorkerConnection(info, self.ctx)
+                self.router.add_worker(worker_id)
+                self.connections[worker_id] = WorkerConnection(info, self.ctx, self.router)
 
     async def _poll(self) -> None:
         while True:

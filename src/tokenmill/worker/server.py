@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.llm_engine import EngineStats
 from tokenmill.engine.request import FINISH_ABORT, RequestOutput
 from tokenmill.runtime import protocol as p
 from tokenmill.runtime.discovery import Discovery, WorkerInfo
@@ -94,13 +95,15 @@ class WorkerServer:
             incarnation=uuid.uuid4().hex,
             metadata={"max_model_len": engine.max_model_len, "block_size": engine.config.block_size,
                       "hash_seed": engine.config.hash_seed,
-                      "events_address": self.publisher.address if self.publisher else None, **self._load()},
+                      "events_address": self.publisher.address if self.publisher else None,
+                      # before serving, the engine thread is idle, so reading its state here is safe
+                      **self._load(engine.stats())},
         )
 
-    def _load(self) -> dict[str, float]:
-        stats = self.engine.engine.stats()  # plain reads of counters; safe from this thread
+    def _load(self, stats: EngineStats) -> dict[str, float]:
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "kv_usage": stats.kv_usage, "prefix_hit_rate": stats.prefix_hit_rate,
+                "prefill_blocks": stats.prefill_blocks, "decode_blocks": stats.decode_blocks,
                 "in_flight": len(self.tasks)}
 
     async def _receive_loop(self) -> None:
@@ -187,7 +190,7 @@ class WorkerServer:
             if self.settings.parent_pid is not None and os.getppid() != self.settings.parent_pid:
                 log.error("supervisor %d is gone; stopping", self.settings.parent_pid)
                 self.stop()
-            load = self._load()
+            load = self._load(await self.engine.stats())
             self.discovery.heartbeat(self.settings.worker_id, load)
             beat = {"type": p.HEARTBEAT, "worker_id": self.settings.worker_id, "load": load}
             for peer in list(self.peers):
