@@ -51,6 +51,7 @@ class WorkerServer:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.peers: set[bytes] = set()
         self.tasks: dict[str, asyncio.Task] = {}
+        self.requests_served = 0
         self._stopping = asyncio.Event()
         self.publisher = (KVEventPublisher(engine, settings.worker_id, settings.events_address)
                           if settings.events_address else None)
@@ -104,7 +105,7 @@ class WorkerServer:
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "kv_usage": stats.kv_usage, "prefix_hit_rate": stats.prefix_hit_rate,
                 "prefill_blocks": stats.prefill_blocks, "decode_blocks": stats.decode_blocks,
-                "in_flight": len(self.tasks)}
+                "in_flight": len(self.tasks), "requests_served": self.requests_served}
 
     async def _receive_loop(self) -> None:
         stop = asyncio.create_task(self._stopping.wait())
@@ -151,6 +152,7 @@ class WorkerServer:
             self._send(peer, p.error_message(request_id, p.OVERLOADED, "worker queue is full"))
             return
         self.tasks[request_id] = asyncio.create_task(self._generate(peer, request_id, msg))
+        self.requests_served += 1
 
     async def _generate(self, peer: bytes, request_id: str, msg: dict) -> None:
         deadline = time.monotonic() + msg["timeout_s"] if msg.get("timeout_s") else None
