@@ -40,6 +40,10 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
+    def is_running(self) -> bool:
+        """True while the engine thread is alive (a dead one cannot serve)."""
+        return self._thread is not None and self._thread.is_alive()
+
     async def stop(self) -> None:
         self._stopping.set()
         if self._thread is not None:
@@ -53,7 +57,11 @@ class AsyncLLMEngine:
         try:
             await self._call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, extra_key,
                                                              output_offset))
-        except BaseException:
+        except asyncio.CancelledError:
+            self._streams.pop(request_id, None)
+            self._submit(lambda: self.engine.abort(request_id))  # it may have been added before we gave up
+            raise
+        except Exception:
             self._streams.pop(request_id, None)
             raise
         finished = False

@@ -42,7 +42,6 @@ class LocalBackend:
         self._stats: EngineStats | None = None
         self._stats_task: asyncio.Task[None] | None = None
         self._started = False
-        self._background: set[asyncio.Future[None]] = set()
 
     async def start(self) -> None:
         await self.engine.start()
@@ -59,8 +58,7 @@ class LocalBackend:
         await self.engine.stop()
 
     def healthy(self) -> bool:
-        thread = self.engine._thread  # the engine loop thread; a dead one cannot serve
-        return self._started and thread is not None and thread.is_alive()
+        return self._started and self.engine.is_running()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float | None = None) -> AsyncIterator[RequestOutput]:
@@ -74,7 +72,7 @@ class LocalBackend:
             while last is None or not last.finished:
                 try:
                     async with asyncio.timeout(_seconds_until(deadline)):
-                        last = await (anext(stream) if last is not None else self._first_delta(stream))
+                        last = await anext(stream)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
@@ -84,27 +82,7 @@ class LocalBackend:
                 yield last
         finally:
             self.in_flight -= 1
-            if last is not None:  # before the first delta the stream belongs to _first_delta
-                await stream.aclose()  # aborts an unfinished request, freeing its KV
-
-    async def _first_delta(self, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-        """The first read carries the engine's `add_request` command, which AsyncLLMEngine cannot
-        have cancelled half-way (its engine thread would fail setting the cancelled result). So the
-        read runs shielded; if our caller gives up (deadline, client gone) it finishes in the
-        background, and the stream is closed, aborting the request, as soon as it yields."""
-        read = asyncio.ensure_future(anext(stream))
-        try:
-            return await asyncio.shield(read)
-        except asyncio.CancelledError:
-            read.add_done_callback(lambda _: self._close_in_background(stream, read))
-            raise
-
-    def _close_in_background(self, stream: AsyncIterator[RequestOutput], read: asyncio.Future[RequestOutput]) -> None:
-        if not read.cancelled():
-            read.exception()  # retrieved: a refused request needs no cleanup
-        closing = asyncio.ensure_future(stream.aclose())  # type: ignore[attr-defined]
-        self._background.add(closing)
-        closing.add_done_callback(self._background.discard)
+            await stream.aclose()  # aborts an unfinished request, freeing its KV
 
     def metrics_snapshot(self) -> dict[str, float]:
         stats = self._stats
