@@ -16,28 +16,29 @@ import sys
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("make-model", "tokenmill.engine.make_model", "write a small random-weight HF-format checkpoint"),
     ("generate", "tokenmill.engine.generate_cli", "generate text in-process with the embedded engine"),
-    ("serve", "tokenmill.frontend.serve_command", "serve the OpenAI API: one frontend and N worker processes"),
+    ("serve", "tokenmill.frontend.serve_cli", "serve the OpenAI API: one frontend and N worker processes"),
     ("worker", "tokenmill.worker.main", "run one worker process (for multi-host deployments)"),
-    ("frontend", "tokenmill.frontend.frontend_command", "run the HTTP frontend alone, finding workers via discovery"),
+    ("frontend", "tokenmill.frontend.frontend_cli", "run the HTTP frontend alone, finding workers via discovery"),
     ("bench", "tokenmill.bench.cli", "benchmarks that print a table and write JSON"),
     ("sim", "tokenmill.sim.cli", "performance simulator and deployment search"),
 )
 
 
+def add_subcommands(parser: argparse.ArgumentParser, table: tuple[tuple[str, str, str], ...], dest: str,
+                    run_attr: str) -> None:
+    """One sub-parser per (name, module, help) row; the module's `run` is stored as `run_attr`."""
+    sub = parser.add_subparsers(dest=dest, metavar=dest.upper(), required=True)
+    for name, module_name, help_text in table:
+        module = importlib.import_module(module_name)
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(cmd)
+        cmd.set_defaults(**{run_attr: module.run})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module_name, help_text in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # a sub-command whose package is not built yet
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(cmd)
-        cmd.set_defaults(_run=module.run)
+    add_subcommands(parser, SUBCOMMANDS, "command", "_run")
     return parser
 
 

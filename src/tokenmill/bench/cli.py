@@ -8,9 +8,10 @@ stays fast.
 from __future__ import annotations
 
 import argparse
-import importlib
 
-# (name, module, one-line help); later issues add serve, transfer and router here
+from tokenmill.cli import add_subcommands
+
+# (name, module, one-line help)
 BENCHMARKS: tuple[tuple[str, str, str], ...] = (
     ("engine", "tokenmill.bench.engine_bench",
      "embedded engine vs transformers generate(), with the decode step's memory floor"),
@@ -22,18 +23,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    for name, module_name, help_text in BENCHMARKS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # a benchmark whose module is not written yet
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(cmd)
-        # not `_run`: the top-level parser already uses that name for `bench` itself
-        cmd.set_defaults(_bench_run=module.run)
+    # not `_run`: the top-level parser already uses that name for `bench` itself
+    add_subcommands(parser, BENCHMARKS, "benchmark", "_bench_run")
 
 
 def run(args: argparse.Namespace) -> int:

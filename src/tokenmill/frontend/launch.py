@@ -1,0 +1,64 @@
+"""What `tokenmill serve` and `tokenmill frontend` share: the frontend's flags, its
+backend (worker pool + router) and the HTTP server."""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from tokenmill.router.policies import POLICIES
+
+log = logging.getLogger(__name__)
+
+
+def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
+    parser.add_argument("--usd-per-worker-hour", type=float, default=0.0)
+    parser.add_argument("--request-timeout-s", type=float, default=600.0, help="deadline of every request")
+    parser.add_argument("--router", default=None, choices=POLICIES,
+                        help="how requests are routed to workers (default: kv with several workers)")
+    parser.add_argument("--router-temperature", type=float, default=0.0,
+                        help="> 0 samples workers with softmax over normalised costs")
+
+
+def router_policy(args: argparse.Namespace) -> str:
+    if args.router is not None:
+        return args.router
+    return "kv" if getattr(args, "workers", 2) > 1 else "least-loaded"
+
+
+def model_name(args: argparse.Namespace) -> str:
+    return args.served_model_name or Path(args.model).resolve().name
+
+
+def make_backend(args: argparse.Namespace, discovery):
+    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.frontend.distributed_backend import DistributedBackend
+    from tokenmill.frontend.worker_pool import WorkerPool
+    from tokenmill.router.cost import CostConfig
+    from tokenmill.router.policies import Router, RouterConfig
+
+    config = load_model_config(args.model)
+    limit = args.max_model_len or config.max_position_embeddings
+    router = Router(RouterConfig(policy=router_policy(args), block_size=getattr(args, "block_size", 16),
+                                 cost=CostConfig(temperature=args.router_temperature)))
+    return DistributedBackend(WorkerPool(discovery, router), Tokenizer(args.model), model_name(args), limit,
+                              default_timeout_s=args.request_timeout_s)
+
+
+async def run_http(args: argparse.Namespace, backend) -> None:
+    import uvicorn
+
+    from tokenmill.frontend.app import create_app
+
+    app = create_app(backend, model_name(args), usd_per_worker_hour=args.usd_per_worker_hour or None,
+                     request_timeout_s=args.request_timeout_s)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+    log.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
+    await server.serve()
+
+
