@@ -1,6 +1,6 @@
 import msgpack
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.engine.request import RequestOutput
@@ -25,6 +25,7 @@ def test_tokens_frame_round_trips() -> None:
     assert p.output_from_wire(p.unpack(p.pack(p.tokens_message(out)))) == out
 
 
+@settings(max_examples=500)
 @given(st.binary(max_size=64))
 def test_garbage_frames_raise_protocol_error_not_crash(data: bytes) -> None:
     try:
@@ -32,6 +33,11 @@ def test_garbage_frames_raise_protocol_error_not_crash(data: bytes) -> None:
     except p.ProtocolError:
         return
     assert isinstance(msg, dict) and isinstance(msg["type"], str)
+
+
+def test_a_map_with_an_unhashable_key_is_a_protocol_error() -> None:
+    with pytest.raises(p.ProtocolError):
+        p.unpack(b"\x81\x90\x00")  # {[]: 0}
 
 
 def test_pickle_is_never_accepted() -> None:

@@ -37,7 +37,7 @@ def pack(message: dict[str, Any]) -> bytes:
 def unpack(frame: bytes) -> dict[str, Any]:
     try:
         message = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
         raise ProtocolError(f"undecodable frame: {exc}") from exc
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise ProtocolError("a frame must be a map with a string 'type'")
