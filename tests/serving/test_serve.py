@@ -115,3 +115,11 @@ def test_client_disconnect_frees_the_workers_blocks(two_worker_server: Server) -
         _wait_for(lambda: any(w["metadata"].get("kv_usage", 0) > 0 for w in two_worker_server.workers()), 5)
     _wait_for(lambda: all(w["metadata"].get("kv_usage", 1) == 0 and w["metadata"].get("in_flight", 1) == 0
                           for w in two_worker_server.workers()), 30)
+
+
+def test_a_request_the_worker_refuses_is_a_400_naming_the_field(two_worker_server: Server) -> None:
+    response = httpx.post(two_worker_server.url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": [5, 6, 10**6], "max_tokens": 3})
+    assert response.status_code == 400
+    assert "prompt" in response.json()["error"]["message"]
+    assert httpx.get(two_worker_server.url + "/health", timeout=5).status_code == 200
