@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.kv_tiers.conftest import make_block
+from tests.kv_tiers.helpers import make_block
 from tokenmill.kv.tiers.disk import DiskTier
 from tokenmill.kv.tiers.shared_dir import SharedDirTier
 

@@ -6,7 +6,7 @@ import time
 
 import redis
 
-from tests.kv_tiers.conftest import EventLog, RedisServer, make_block
+from tests.kv_tiers.helpers import EventLog, RedisServer, make_block
 from tokenmill.kv.tiers.redis_tier import RedisTier, namespace_for
 
 

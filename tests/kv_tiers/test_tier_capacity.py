@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kv_tiers.conftest import EventLog, RedisServer, make_block
+from tests.kv_tiers.helpers import EventLog, RedisServer, make_block
 from tokenmill.kv.events import BlockRemoved, BlockStored
 from tokenmill.kv.tiers.base import Tier
 from tokenmill.kv.tiers.disk import DiskTier

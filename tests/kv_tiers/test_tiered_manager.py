@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tests.kv_tiers.conftest import EventLog, RedisServer, make_block
+from tests.kv_tiers.helpers import EventLog, RedisServer, make_block
 from tokenmill.kv.hashing import block_hashes
 from tokenmill.kv.tiered_manager import OffloadBlock, TieredKVManager
 from tokenmill.kv.tiers.base import BlockMeta

@@ -15,6 +15,8 @@ Rules every tier follows:
   and never evicts a pinned block (`pin`/`unpin`, up to a cap per tier).
 - Tiers emit tier-tagged `stored`/`removed` KV events through the worker's shared
   `KVEventEmitter` (attribute `events`, may be None).
+- Tiers are safe to use from two threads (the engine reading, the offload thread
+  writing); stats counters are plain ints, exact per thread, approximate across.
 """
 from __future__ import annotations
 
