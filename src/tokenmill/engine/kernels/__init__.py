@@ -22,10 +22,10 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
-# Not -ffast-math: linking it sets flush-to-zero for the whole process. These allow the
-# reassociation that vectorises the reductions and nothing more.
+# Not -ffast-math: linking it sets flush-to-zero for the whole process. These allow what
+# vectorises the reductions and expf (the kernel only ever sees finite values).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-          "-fassociative-math", "-fPIC", "-shared", "-std=c11"]
+          "-fassociative-math", "-ffinite-math-only", "-freciprocal-math", "-fPIC", "-shared", "-std=c11"]
 MAX_HEAD_DIM = 256
 
 

@@ -9,6 +9,7 @@
  *   out          [B, H, D] float32
  * Each K/V row is read once per sequence; scores are kept in fp32.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,7 +59,7 @@ int NAME(const T *q, const T *k, const T *v, const int64_t *block_tables,       
             }                                                                                 \
         }                                                                                     \
         for (int h = 0; h < H; h++) {                                                         \
-            float *sh = scores + h * len, m = -INFINITY, sum = 0.f;                           \
+            float *sh = scores + h * len, m = -FLT_MAX, sum = 0.f;                            \
             for (int64_t t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;                      \
             for (int64_t t = 0; t < len; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }      \
             for (int64_t t = 0; t < len; t++) sh[t] /= sum;                                   \
