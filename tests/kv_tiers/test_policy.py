@@ -16,13 +16,15 @@ def _parent(block: int) -> int | None:
     return None if block == 0 else block // 2
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(ops=ops_strategy, capacity=st.integers(1, 400), policy=st.sampled_from(["lru", "lfu"]))
 def test_budget_children_and_pins_hold_under_random_ops(ops: list, capacity: int, policy: str) -> None:
     index = BlockIndex(capacity, policy, max_pinned=5)
     for kind, block, size in ops:
         if kind == "admit" and block not in index:
             admission = index.admit(block, size, _parent(block))
+            assert admission.admitted == (block in index)
+            assert block not in [victim for victim, _ in admission.evicted]
             for victim, _ in admission.evicted:
                 assert victim not in index.pinned
                 assert all(e.parent != victim for e in index.entries.values()), "parent left before a child"
@@ -72,6 +74,15 @@ def test_admitting_a_child_never_evicts_its_parent() -> None:
     admission = index.admit(2, 15, 1)
     assert not admission.admitted and 1 in index and 2 not in index
     assert index.used_bytes == 10
+
+
+def test_a_block_whose_child_is_evicted_for_it_is_never_its_own_victim() -> None:
+    index = BlockIndex(20)
+    index.admit(1, 10, None)
+    index.admit(3, 5, 2)  # the child of 2 arrived first
+    admission = index.admit(2, 12, 1)  # evicting 3 frees 2 itself, and still leaves too little room
+    assert not admission.admitted and 2 not in index
+    assert [h for h, _ in admission.evicted] == [3] and 1 in index and index.used_bytes == 10
 
 
 def test_pinned_blocks_stay_and_cap_is_enforced() -> None:

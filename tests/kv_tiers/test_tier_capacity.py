@@ -51,7 +51,7 @@ def _assert_parents_outlive_children(log: EventLog) -> None:
                 assert not any(_parent(h) == gone for h in held), f"block {gone} evicted before a child"
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(load=load_strategy, capacity=st.integers(300, 3000), kind=st.sampled_from(["host", "disk", "shared"]))
 def test_local_tiers_hold_capacity_under_random_load(load: list, capacity: int, kind: str) -> None:
     log = EventLog()

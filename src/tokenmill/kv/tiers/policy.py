@@ -89,6 +89,8 @@ class BlockIndex:
         self.used_bytes += size
         while self.used_bytes > self.capacity_bytes:
             victim = self._pop_victim()
+            if victim == block_hash:  # re-pushed when a child of it went; it is pushed below
+                continue
             if victim is None:
                 self.remove(block_hash)
                 return Admission(False, evicted)
