@@ -82,3 +82,18 @@ def test_events_round_trip_the_wire_format_and_ids_increase() -> None:
         assert event_from_wire(event_to_wire(e)) == e
     with pytest.raises(ValueError):
         event_from_wire({"kind": "stored", "worker": "w", "event_id": 1, "tier": "moon", "hashes": []})
+
+
+def test_eviction_hook_sees_blocks_before_they_are_reused() -> None:
+    seen: list[tuple[int, int | None, tuple[int, ...] | None]] = []
+    pool = BlockPool(2, 4, on_evict=lambda blocks: seen.extend(
+        (b.block_hash, b.parent_hash, b.token_ids) for b in blocks))
+    kv = KVCacheManager(pool)
+    toks = list(range(8))
+    kv.allocate("a", 8, kv.find_cached_prefix("a", toks))
+    kv.cache_computed("a", toks, 8)
+    hashes = kv.block_hashes("a")
+    kv.free("a")
+    assert pool.allocate(2) is not None
+    assert sorted(seen) == sorted([(hashes[0], None, (0, 1, 2, 3)), (hashes[1], hashes[0], (4, 5, 6, 7))])
+    assert all(b.block_hash is None and b.parent_hash is None for b in pool.blocks)

@@ -13,7 +13,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tokenmill.kv.events import KVEventEmitter
@@ -24,7 +24,11 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
+    parent_hash: int | None = None  # the chained hash of the block before it (None for block 0)
     token_ids: tuple[int, ...] | None = None
+
+
+EvictionHook = Callable[[list[KVBlock]], None]
 
 
 class BlockPool:
@@ -35,7 +39,10 @@ class BlockPool:
         events: KVEventEmitter | None = None,
         enable_caching: bool = True,
         tier: str = "device",
+        on_evict: EvictionHook | None = None,
     ) -> None:
+        """`on_evict` sees cached blocks about to be reused, hash and token ids still set and
+        their KV still intact (a tiered manager copies them out here)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.block_size = block_size
@@ -45,6 +52,7 @@ class BlockPool:
         self.events = events
         self.enable_caching = enable_caching
         self.tier = tier
+        self.on_evict = on_evict
 
     @property
     def num_blocks(self) -> int:
@@ -76,17 +84,15 @@ class BlockPool:
         """`n` fresh blocks with ref_cnt 1, evicting the least recently freed; None if too few."""
         if n > len(self.free_queue):
             return None
-        out: list[KVBlock] = []
-        evicted: list[int] = []
-        for _ in range(n):
-            _, block = self.free_queue.popitem(last=False)
-            if block.block_hash is not None:
-                evicted.append(block.block_hash)
-                self._uncache(block)
-            block.ref_cnt = 1
-            out.append(block)
+        out = [self.free_queue.popitem(last=False)[1] for _ in range(n)]
+        evicted = [block for block in out if block.block_hash is not None]
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         if evicted and self.events is not None:
-            self.events.removed(self.tier, evicted)
+            self.events.removed(self.tier, [block.block_hash for block in evicted])
+        for block in out:
+            self._uncache(block)
+            block.ref_cnt = 1
         return out
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -106,10 +112,11 @@ class BlockPool:
         if not self.enable_caching:
             return
         registered = False
-        for block, block_hash, block_tokens in zip(blocks, hashes, tokens, strict=True):
+        parents = [parent, *hashes[:-1]]
+        for block, block_hash, block_parent, block_tokens in zip(blocks, hashes, parents, tokens, strict=True):
             if block.block_hash is not None or block_hash in self.cached:
                 continue  # already cached (shared prefix) or a duplicate computed in parallel
-            block.block_hash = block_hash
+            block.block_hash, block.parent_hash = block_hash, block_parent
             block.token_ids = tuple(block_tokens)
             self.cached[block_hash] = block
             registered = True
@@ -136,4 +143,5 @@ class BlockPool:
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None
+        block.parent_hash = None
         block.token_ids = None
