@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import zmq
+
 from tokenmill.engine.request import FINISH_ABORT, FINISH_ERROR, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import Tokenizer
@@ -113,7 +115,12 @@ class DistributedBackend:
         queue = conn.open_stream(request_id)
         worker_done = False  # the worker has ended this attempt itself; no abort needed
         try:
-            conn.send(self._generate_message(request_id, progress, deadline))
+            try:
+                conn.send(self._generate_message(request_id, progress, deadline))
+            except zmq.ZMQError:  # its queue is full or the socket is gone: try another worker
+                worker_done = True
+                self._note_migration(conn, progress, excluded)
+                return
             while not progress.finished:
                 msg = await self._next(queue, deadline)
                 if msg is None:  # deadline passed
