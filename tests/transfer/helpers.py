@@ -105,22 +105,32 @@ class FaultyProxy:
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, faults: bool) -> None:
         while chunk := await reader.read(64 << 10):
+            keep_going = True
             if faults:
-                chunk = await self._apply_faults(bytearray(chunk))
-                if chunk is None:
-                    break
+                chunk, keep_going = await self._apply_faults(bytearray(chunk))
             writer.write(chunk)
             await writer.drain()
+            if not keep_going:
+                break
         writer.close()
 
-    async def _apply_faults(self, chunk: bytearray) -> bytearray | None:
+    async def _apply_faults(self, chunk: bytearray) -> tuple[bytearray, bool]:
+        """The part of `chunk` to forward, and whether to keep the connection afterwards."""
         start, self.forwarded = self.forwarded, self.forwarded + len(chunk)
         self.started_forwarding.set()
         if self.flip_at is not None and start <= self.flip_at < self.forwarded:
             chunk[self.flip_at - start] ^= 0x01
         if self.drop_after is not None and self.forwarded > self.drop_after:
-            return None
+            return chunk[:max(0, self.drop_after - start)], False
         if self.stall_after is not None and self.forwarded > self.stall_after:
             await asyncio.Event().wait()  # hold the connection open, forward nothing more
         await asyncio.sleep(self.delay_per_chunk)
-        return chunk
+        return chunk, True
+
+
+def run(coro: Any, limit_s: float = 60.0) -> Any:
+    """asyncio.run with a ceiling, so a hung transfer fails its test instead of the whole run."""
+    async def bounded() -> Any:
+        return await asyncio.wait_for(coro, limit_s)
+
+    return asyncio.run(bounded())

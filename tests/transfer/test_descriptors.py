@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from tests.transfer.helpers import LAYOUT, agent_pair
+from tests.transfer.helpers import LAYOUT, agent_pair, run
 from tokenmill.transfer import (Descriptor, KVLayout, TransferStatus, coalesce, coalesce_pairs,
                                 kv_block_descriptors, kv_pair_descriptors, validate_descriptors)
 from tokenmill.transfer.descriptors import decode_descriptors, encode_descriptors
@@ -40,7 +40,7 @@ def test_agent_rejects_bad_descriptors_at_the_call() -> None:
             with pytest.raises(ValueError, match="no udp backend"):
                 pair.decode.read("prefill", [good], [good], backend="udp")
 
-    asyncio.run(main())
+    run(main())
 
 
 def test_server_revalidates_what_a_peer_asks_for() -> None:
@@ -55,7 +55,7 @@ def test_server_revalidates_what_a_peer_asks_for() -> None:
             assert await handle.wait() is TransferStatus.FAILED
             assert "refused the read" in handle.reason and "out of range" in handle.reason
 
-    asyncio.run(main())
+    run(main())
 
 
 def test_coalesce_pairs_merges_only_where_both_sides_continue() -> None:

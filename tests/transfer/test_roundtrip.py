@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tests.transfer.helpers import LAYOUT, agent_pair, blocks_bytes, random_block_sets, random_pool
+from tests.transfer.helpers import LAYOUT, agent_pair, blocks_bytes, random_block_sets, random_pool, run
 from tokenmill.transfer import (SharedBuffer, TransferAgent, TransferStatus, allocate_shared_tensor,
                                 kv_block_descriptors, kv_pair_descriptors)
 from tokenmill.transfer.descriptors import encode_descriptors
@@ -33,7 +33,7 @@ def test_random_block_sets_round_trip_in_process(backend: str) -> None:
                 assert await handle.wait() is TransferStatus.DONE, handle.reason
                 assert blocks_bytes(pair.target, dst_ids) == blocks_bytes(pair.source, src_ids)
 
-    asyncio.run(main())
+    run(main())
 
 
 def test_backend_choice_prefers_shm_on_one_host_and_falls_back_to_tcp() -> None:
@@ -47,7 +47,7 @@ def test_backend_choice_prefers_shm_on_one_host_and_falls_back_to_tcp() -> None:
             handle = pair.decode.read("prefill", src, dst)
             assert handle.backend == "tcp" and await handle.wait() is TransferStatus.DONE
 
-    asyncio.run(main())
+    run(main())
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_cross_process_reads_and_writes_are_bit_exact(peer: PeerProcess, backend
             remote_view.close()
             local.close()
 
-    asyncio.run(main())
+    run(main())
 
 
 def test_peer_process_pulls_from_this_process_over_shm(peer: PeerProcess) -> None:
@@ -105,7 +105,7 @@ def test_peer_process_pulls_from_this_process_over_shm(peer: PeerProcess) -> Non
         finally:
             source.close()
 
-    asyncio.run(main())
+    run(main())
 
 
 def _remote_blocks(view: SharedBuffer, block_ids: list[int]) -> bytes:

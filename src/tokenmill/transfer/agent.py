@@ -186,6 +186,8 @@ class TransferAgent:
         handle._task = task
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
+        # a task cancelled before its first step never runs _run's handlers
+        task.add_done_callback(lambda _: handle.complete(TransferStatus.FAILED, "cancelled"))
         return handle
 
     async def _run(self, handle: TransferHandle, move: Callable[[], Coroutine[Any, Any, None]],

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
@@ -172,7 +174,9 @@ def allocate_shared_tensor(shape: tuple[int, ...], dtype: torch.dtype, shm_name:
         numel *= dim
     length = numel * torch.empty((), dtype=dtype).element_size()
     shared = SharedBuffer.create(length, shm_name)
-    flat = torch.frombuffer(shared.view, dtype=torch.uint8)  # the new file reads as zeros
+    # through numpy, not torch.frombuffer: numpy holds a buffer export, so the pages cannot be
+    # unmapped under a live tensor (close() then leaves the unmap to the last view)
+    flat = torch.from_numpy(np.frombuffer(shared.view, dtype=np.uint8))  # a new file reads as zeros
     return SharedTensor(flat.view(dtype).view(shape), shared)
 
 
