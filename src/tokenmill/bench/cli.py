@@ -19,6 +19,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "load generator: fixed concurrency, Poisson rate or Mooncake trace replay against an OpenAI server"),
     ("router", "tokenmill.bench.router_bench",
      "KV router hot paths: decisions/s and latency over a 1M-block index, KV events applied/s"),
+    ("transfer", "tokenmill.bench.transfer_bench",
+     "KV-block transfers over shm and tcp between two processes, next to raw memcpy and socket"),
 )
 
 

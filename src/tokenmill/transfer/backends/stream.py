@@ -1,9 +1,9 @@
 """Byte streams between agents: length-prefixed msgpack frames and raw payloads (never pickle).
 
 A frame is a 4-byte little-endian length then a msgpack map. A payload is the raw bytes of a
-descriptor list, in list order, right after the frame that announces it. Small pieces (scattered
-KV blocks) go through a staging buffer so the socket sees large sends and receives, while large
-pieces move straight from and into registered memory (no extra copy).
+descriptor list, in list order, right after the frame that announces it. Payloads move straight
+from and into registered memory with vectored `sendmsg`/`recvmsg_into` (no staging copy, one
+system call for many scattered blocks).
 
 `ConnectionPool` keeps idle connections to one peer address; a connection that raised mid-use is
 closed, never reused, because its stream position is unknown.
@@ -26,8 +26,7 @@ log = logging.getLogger(__name__)
 
 FRAME_LENGTH = struct.Struct("<I")
 MAX_FRAME_BYTES = 256 << 20  # a descriptor table of ~11M entries; anything larger is an error
-STAGE_BYTES = 4 << 20
-SMALL_PIECE_BYTES = 256 << 10  # below this, pieces are batched through the staging buffer
+IOV_BATCH = 64  # pieces per sendmsg/recvmsg_into call (well under IOV_MAX = 1024)
 
 
 class ByteStream:
@@ -39,7 +38,6 @@ class ByteStream:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are small, latency matters
         self.sock = sock
         self._loop = asyncio.get_running_loop()
-        self._stage = bytearray(0)
 
     def close(self) -> None:
         self.sock.close()
@@ -72,58 +70,45 @@ class ByteStream:
         return obj
 
     async def send_views(self, views: Sequence[memoryview]) -> None:
-        """Send the views' bytes back to back."""
-        stage, fill = self._staging(), 0
-        for view in views:
-            size = view.nbytes
-            if size >= SMALL_PIECE_BYTES or fill + size > len(stage):
-                if fill:
-                    await self._loop.sock_sendall(self.sock, memoryview(stage)[:fill])
-                    fill = 0
-                if size >= SMALL_PIECE_BYTES:
-                    await self._loop.sock_sendall(self.sock, view)
-                    continue
-            stage[fill:fill + size] = view
-            fill += size
-        if fill:
-            await self._loop.sock_sendall(self.sock, memoryview(stage)[:fill])
+        """Send the views' bytes back to back (vectored: scattered blocks need no staging copy)."""
+        await self._vectored(views, sending=True)
 
     async def recv_views(self, views: Sequence[memoryview]) -> None:
         """Fill the views, in order, from the stream; EOF before the end raises `TransferError`."""
-        progress = _Progress(sum(v.nbytes for v in views))
-        group: list[memoryview] = []
-        group_bytes = 0
-        for view in views:
-            size = view.nbytes
-            if size >= SMALL_PIECE_BYTES or group_bytes + size > STAGE_BYTES:
-                await self._recv_group(group, group_bytes, progress)
-                group, group_bytes = [], 0
-                if size >= SMALL_PIECE_BYTES:
-                    await self._recv_into(view, progress)
-                    continue
-            group.append(view)
-            group_bytes += size
-        await self._recv_group(group, group_bytes, progress)
+        await self._vectored(views, sending=False)
 
-    async def _recv_group(self, group: list[memoryview], group_bytes: int, progress: _Progress) -> None:
-        if not group:
-            return
-        staged = memoryview(self._staging())[:group_bytes]
-        await self._recv_into(staged, progress)
-        pos = 0
-        for view in group:  # scatter the staged bytes to their destinations
-            view[:] = staged[pos:pos + view.nbytes]
-            pos += view.nbytes
+    async def _vectored(self, views: Sequence[memoryview], *, sending: bool) -> None:
+        """sendmsg / recvmsg_into over up to IOV_BATCH views per call, waiting on the loop when
+        the socket is not ready; the kernel gathers and scatters the pieces itself."""
+        total = sum(v.nbytes for v in views)
+        index, offset, moved = 0, 0, 0
+        while index < len(views):
+            batch = [views[index][offset:], *views[index + 1:index + IOV_BATCH]]
+            try:
+                n = self.sock.sendmsg(batch) if sending else self.sock.recvmsg_into(batch)[0]
+            except (BlockingIOError, InterruptedError):
+                await self._ready(writable=sending)
+                continue
+            if n == 0 and not sending:
+                raise TransferError(f"peer closed the connection after {moved} of {total} payload bytes")
+            moved += n
+            n += offset
+            while index < len(views) and n >= views[index].nbytes:
+                n -= views[index].nbytes
+                index += 1
+            offset = n
 
-    async def _recv_into(self, view: memoryview, progress: _Progress) -> None:
-        got = 0
-        while got < view.nbytes:
-            n = await self._loop.sock_recv_into(self.sock, view[got:])
-            if n == 0:
-                raise TransferError(f"peer closed the connection after {progress.done + got} "
-                                    f"of {progress.total} payload bytes")
-            got += n
-        progress.done += got
+    async def _ready(self, *, writable: bool) -> None:
+        waiter = self._loop.create_future()
+        fd = self.sock.fileno()
+        if writable:
+            self._loop.add_writer(fd, _wake, waiter)
+        else:
+            self._loop.add_reader(fd, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            (self._loop.remove_writer if writable else self._loop.remove_reader)(fd)
 
     async def _recv_exactly(self, size: int, *, eof_ok: bool = False) -> bytes | None:
         buf = bytearray(size)
@@ -137,17 +122,10 @@ class ByteStream:
             got += n
         return bytes(buf)
 
-    def _staging(self) -> bytearray:
-        if not self._stage:  # allocated on first use: notification-only streams never need it
-            self._stage = bytearray(STAGE_BYTES)
-        return self._stage
 
-
-class _Progress:
-    __slots__ = ("total", "done")
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done = total, 0
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class ConnectionPool:
