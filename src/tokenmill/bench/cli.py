@@ -21,6 +21,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "KV router hot paths: decisions/s and latency over a 1M-block index, KV events applied/s"),
     ("transfer", "tokenmill.bench.transfer_bench",
      "KV-block transfers over shm and tcp between two processes, next to raw memcpy and socket"),
+    ("router-replay", "tokenmill.bench.router_replay",
+     "a Mooncake trace through tokenmill serve (mock workers) under each routing policy: TTFT, prefill, hits"),
 )
 
 

@@ -1,0 +1,112 @@
+"""A `tokenmill serve` subprocess on a free loopback port, for benchmarks that need a fresh server.
+
+`running_server(...)` starts the frontend and its workers in their own process group, waits
+until `/health` answers and every worker has registered, and always stops them on exit:
+SIGTERM to the group, SIGKILL after a grace period, then SIGKILL to any worker pid still
+listed in the run directory's registry, so no worker outlives the benchmark.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+STOP_GRACE_S = 15.0
+
+
+@dataclass(slots=True)
+class ServeProcess:
+    url: str
+    run_dir: Path
+    process: subprocess.Popen
+    num_workers: int
+
+    def registry(self) -> list[dict[str, Any]]:
+        """The workers' registry entries (pid, metadata such as requests_served)."""
+        entries = []
+        for path in sorted((self.run_dir / "registry").glob("*.json")):
+            try:
+                entries.append(json.loads(path.read_text(encoding="utf-8")))
+            except (OSError, ValueError):
+                pass  # a heartbeat rewriting the file: skip this round
+        return entries
+
+    def healthy(self) -> bool:
+        try:
+            ok = httpx.get(self.url + "/health", timeout=1.0, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+        return ok and len(self.registry()) == self.num_workers
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_healthy(server: ServeProcess, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"tokenmill serve exited with {server.process.returncode} before it was healthy")
+        if server.healthy():
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"tokenmill serve was not healthy within {timeout_s:.0f} s")
+
+
+def stop(server: ServeProcess) -> None:
+    """SIGTERM the process group, SIGKILL it after a grace period, then kill registered workers."""
+    workers = server.registry()
+    if server.process.poll() is None:
+        os.killpg(server.process.pid, signal.SIGTERM)
+        try:
+            server.process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            log.warning("tokenmill serve ignored SIGTERM for %.0f s: killing it", STOP_GRACE_S)
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+    for info in workers + server.registry():
+        try:
+            os.kill(int(info["pid"]), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, KeyError, TypeError, ValueError):
+            pass  # already gone
+
+
+@contextmanager
+def running_server(serve_flags: Sequence[str], num_workers: int, run_dir: Path, log_path: Path,
+                   start_timeout_s: float = 120.0) -> Iterator[ServeProcess]:
+    """`tokenmill serve --workers N --host 127.0.0.1 --port P --run-dir DIR *serve_flags`, stopped on exit."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", *serve_flags,
+            "--workers", str(num_workers), "--host", HOST, "--port", str(port), "--run-dir", str(run_dir)]
+    log.debug("starting %s", " ".join(argv))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as server_log:
+        process = subprocess.Popen(argv, stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = ServeProcess(f"http://{HOST}:{port}", run_dir, process, num_workers)
+    try:
+        try:
+            _wait_healthy(server, start_timeout_s)
+        except RuntimeError as exc:
+            tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
+            raise RuntimeError(f"{exc}; its log ends:\n{tail}") from exc
+        yield server
+    finally:
+        stop(server)
