@@ -218,7 +218,7 @@ def render_table(report: TransferBenchReport) -> None:
         table.add_column(column, justify="left" if column in ("backend", "case") else "right")
     for r in report.rows:
         table.add_row(f"{r.size_mb} MB", r.backend, r.case, f"{r.descriptors:,}", f"{r.gbps:.2f}",
-                      f"{r.baseline} {r.baseline_gbps:.2f}", f"{r.ratio:.2f}x")
+                      f"{r.baseline.removeprefix('raw_')} {r.baseline_gbps:.2f}", f"{r.ratio:.2f}x")
     Console().print(table)
     for name, met in report.meets_targets().items():
         Console().print(f"target {name} (sizes >= {TARGET_MIN_MB} MB): {'met' if met else 'MISSED'}")
