@@ -8,8 +8,7 @@ import numpy as np
 from tokenmill.sim.memory import max_sequences
 from tokenmill.sim.operators import OpContext
 from tokenmill.sim.parallel import Parallel
-from tokenmill.sim.tuning import Tuning
-from tokenmill.sim.serving import MAX_UTILISATION, Workload, decode_step, kv_transfer_time, prefill_step, queued_ttft
+from tokenmill.sim.serving import MAX_UTILISATION, Workload, decode_step, kv_transfer_time, prefill_step
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,13 +67,31 @@ def rate_matched(p: PrefillPool, d: DecodePool, w: Workload, n_prefill: np.ndarr
     return DisaggResult(ttft=ttft, tpot=d.tpot, output_tps_per_gpu=rate * w.osl / gpus, gpus=gpus, fits=p.fits & d.fits)
 
 
-def closed_loop(p: PrefillPool, d_tpot: np.ndarray, w: Workload, n_prefill: np.ndarray, concurrency: np.ndarray,
-                tuning: Tuning) -> np.ndarray:
+def closed_loop(c: OpContext, par: Parallel, w: Workload, n_prefill: np.ndarray, concurrency: np.ndarray,
+                d_tpot: np.ndarray, same_domain: np.ndarray | bool = False) -> np.ndarray:
     """TTFT of a benchmark holding `concurrency` requests in flight (the silicon data's setting).
 
-    Requests that arrive together (a wave) queue behind each other at their prefill instance.
+    Each prefill rank (attention-DP replica, pipeline slot) runs one forward over the prompts that
+    arrived during its previous one, up to its token budget (`tuning.max_prefill_tokens`): at light
+    load a prompt runs alone, under load forwards grow and serve more prompts each. A request waits
+    for the forward in progress (M/D/1-like in the utilisation), then runs in the next one; a wave of
+    requests arriving together waits behind each other's forwards (`tuning.wave_fraction`); when the
+    pool saturates, Little's law bounds TTFT from below.
     """
     concurrency = np.asarray(concurrency, dtype=np.float64)
-    wave_wait = tuning.wave_fraction * np.maximum(concurrency / n_prefill - 1.0, 0.0) / 2.0 * p.service
-    base = p.latency + wave_wait + tuning.ttft_overhead_s
-    return queued_ttft(base, p.service / n_prefill, concurrency, w.osl * d_tpot)
+    b_max = max(float(c.tuning.max_prefill_tokens // w.isl), 1.0)
+    one = prefill_pool(c, par, w, par.dp, same_domain).latency
+    full = prefill_pool(c, par, w, par.dp * b_max, same_domain).latency
+    slots = n_prefill * par.dp * par.pp
+    rest = w.osl * d_tpot
+    # Requests that arrive together (a wave) queue behind each other's batched forwards.
+    wave = c.tuning.wave_fraction * np.maximum(concurrency / slots - 1.0, 0.0) / 2.0 * full / b_max
+    fixed = c.tuning.ttft_overhead_s + wave
+    ttft, forward = one + fixed, one
+    for _ in range(30):  # fixed point of arrival rate <-> TTFT
+        rate = concurrency / (ttft + rest) / slots
+        batch = np.clip(rate * forward, 1.0, b_max)
+        forward = one + (full - one) * (batch - 1.0) / max(b_max - 1.0, 1.0)
+        rho = np.minimum(rate * forward / batch, MAX_UTILISATION)
+        ttft = 0.5 * ttft + 0.5 * (forward * (1.0 + rho / (2 * (1 - rho))) + fixed)
+    return np.maximum(ttft, concurrency * full / (b_max * slots) - rest)

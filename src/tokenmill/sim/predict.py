@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.sim.disagg import closed_loop, decode_pool, prefill_pool
+from tokenmill.sim.disagg import closed_loop, decode_pool
 from tokenmill.sim.hardware import GpuSpec, get_gpu
 from tokenmill.sim.models import ModelConfig, get_model
 from tokenmill.sim.operators import OpContext
@@ -44,9 +44,8 @@ def _predict_disagg(c: OpContext, w: Workload, rows: list[SiliconRow]) -> tuple[
     n_prefill = np.array([r.prefill_workers for r in rows], float)
     n_decode = np.array([r.decode_workers for r in rows], float)
     total_gpus = n_prefill * pre_par.gpus + n_decode * dec_par.gpus
-    pool = prefill_pool(c, pre_par, w, np.array([r.prefill_batch for r in rows], float), total_gpus <= c.gpu.domain_size)
     tpot = decode_pool(c, dec_par, w, np.maximum(concurrency / n_decode, 1.0)).tpot
-    return closed_loop(pool, tpot, w, n_prefill, concurrency, c.tuning), tpot
+    return closed_loop(c, pre_par, w, n_prefill, concurrency, tpot, total_gpus <= c.gpu.domain_size), tpot
 
 
 def predict_rows(rows: Sequence[SiliconRow], tunings: dict[str, Tuning], models: dict[str, ModelConfig] | None = None,
