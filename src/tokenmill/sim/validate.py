@@ -65,7 +65,7 @@ def silicon_cases(held: ErrorSummary) -> list[Case]:
 
 
 def _refit(train: list[SiliconRow], out: Path | None) -> dict[str, Tuning]:
-    fitted = fit_all(train)
+    fitted = fit_all(train, start=load_fitted())
     path = out or Path(str(resources.files("tokenmill.sim").joinpath(FITTED_FILE)))
     body = {"_comment": "Written by `tokenmill sim validate --refit`: per-backend Tuning fitted on the training half "
                         "(crc32(id) % 10 < 5) of silicon_measured.csv; held-out rows are never used here.",
