@@ -21,10 +21,15 @@ class ParamBreakdown:
         moe = m.moe_layers * (m.experts * self.expert + self.shared_expert_total + self.router_per_layer)
         return m.layers * self.attention_per_layer + m.mlp_layers * self.dense_mlp_per_layer + moe + self.embedding
 
-    def active(self, m: ModelConfig) -> int:
-        """Parameters touched per token: top-k routed + shared experts; embeddings included."""
+    def active(self, m: ModelConfig, input_embedding: bool = True) -> int:
+        """Parameters touched per token: top-k routed + shared experts, LM head.
+
+        `input_embedding=False` leaves out the input-embedding table (one row gathered per token, no
+        multiply): DeepSeek's convention, see `active_params`.
+        """
         moe = m.moe_layers * (m.top_k * self.expert + self.shared_expert_total + self.router_per_layer)
-        return m.layers * self.attention_per_layer + m.mlp_layers * self.dense_mlp_per_layer + moe + self.embedding
+        lookup = 0 if input_embedding or m.tied_embeddings else m.vocab * m.hidden
+        return m.layers * self.attention_per_layer + m.mlp_layers * self.dense_mlp_per_layer + moe + self.embedding - lookup
 
 
 def attention_params(m: ModelConfig) -> int:
@@ -57,8 +62,16 @@ def total_params(m: ModelConfig) -> int:
     return param_breakdown(m).total(m)
 
 
-def active_params(m: ModelConfig) -> int:
-    return param_breakdown(m).active(m)
+def active_params(m: ModelConfig, input_embedding: bool = True) -> int:
+    """Activated parameters per token. Vendors differ on the input-embedding table:
+
+    - Qwen and Mistral count both embedding matrices (Qwen1.5-MoE-A2.7B's card: "2.7B activated,
+      2.0B non-embedding"; Mixtral's 12.9 B needs both).
+    - DeepSeek leaves the input lookup out and counts the LM head: of the three readings that one is
+      the closest to each published figure of the family (V2-Lite 2.45 B vs "2.4B", V2 20.85 B vs
+      "21B", V3 36.63 B vs "37B"; counting both gives 2.66 / 21.38 / 37.55, neither 2.24 / 20.33 / 35.70).
+    """
+    return param_breakdown(m).active(m, input_embedding)
 
 
 def kv_values_per_token_per_layer(m: ModelConfig) -> int:

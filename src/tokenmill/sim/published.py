@@ -22,7 +22,8 @@ class Case:
     target: float
     tolerance: float  # relative band for check == "within"
     source: str
-    check: str = "within"  # "within": |value/target - 1| <= tolerance; "above": value > target; "at_most": value <= target
+    check: str = "within"  # "within": |value/target - 1| <= tolerance; "above": value > target; "at_most": value <= target;
+    # "rounds_to": value rounded to the decimals the target is published with equals it
 
     @property
     def error(self) -> float:
@@ -34,6 +35,9 @@ class Case:
             return self.value > self.target
         if self.check == "at_most":
             return self.value <= self.target
+        if self.check == "rounds_to":
+            decimals = len(f"{self.target:g}".partition(".")[2])
+            return round(self.value, decimals) == self.target
         if self.check != "within":
             raise ValueError(f"case {self.name}: field check {self.check!r} unknown")
         return abs(self.error) <= self.tolerance
