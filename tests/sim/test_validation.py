@@ -24,11 +24,17 @@ def test_silicon_coverage_and_split(silicon):
 
 def test_held_out_subset_errors(silicon):
     # Every 3rd held-out row keeps the test fast. TPOT meets the 15% target (the full held-out
-    # half is at ~14.7% in `sim validate`); TTFT is guarded at 40% (target 25%: not met, ~35%).
+    # half is at ~14.2% in `sim validate`); TTFT is guarded at 36% (target 25%: not met, ~33.5%).
     held = [r for r in silicon.rows if r.held_out][::3]
     s = summarise(held, load_fitted())
     assert s.tpot_median_abs <= 0.15
-    assert s.ttft_median_abs <= 0.40
+    assert s.ttft_median_abs <= 0.36
+
+
+def test_held_out_disaggregated_ttft(silicon):
+    # Prefill pools batch the prompts waiting for them (was 91% when each forward took one prompt).
+    held = [r for r in silicon.rows if r.held_out and r.mode == "disagg"]
+    assert summarise(held, load_fitted()).ttft_median_abs <= 0.35
 
 
 def test_fitted_tunings_exist_for_each_backend():
