@@ -28,7 +28,7 @@ def mock_server(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def _bench(server: Server, out: Path, *flags: str) -> dict[str, Any]:
-    rc = main(["--log-level", "WARNING", "bench", "serve", "--url", server.url, "--model", server.model,
+    rc = main(["--log-level", "WARNING", "bench", "serve", "--url", server.url, "--model", "tiny",
                "--json", str(out), "--save-requests", "--quiet", "--timeout-s", "30", "--max-duration-s", "60",
                *flags])
     report = json.loads(out.read_text())

@@ -46,7 +46,7 @@ def test_kv_routing_realises_the_prefix_hits_and_balances_load(policy: str, tiny
     try:
         cached = _run_workload(server.url)
         time.sleep(1.0)  # let a heartbeat carry the final counts into the registry
-        served = [w["metadata"]["requests_served"] for w in server.workers()]
+        served = [w["metadata"]["requests_served"] for w in server.registry()]
     finally:
         stop_server(server)
     achievable = GROUPS * (PER_GROUP - 1) * PREFIX

@@ -81,13 +81,13 @@ def test_killing_a_worker_mid_stream_migrates_without_a_visible_seam(two_worker_
             killed = _kill_busy_worker(two_worker_server)
     assert killed is not None
     assert "".join(text) == undisturbed
-    _wait_for(lambda: len(two_worker_server.workers()) == 2, 60)  # the supervisor restarted it
+    _wait_for(lambda: len(two_worker_server.registry()) == 2, 60)  # the supervisor restarted it
 
 
 def _kill_busy_worker(server: Server) -> int:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        busy = [w for w in server.workers() if w["metadata"].get("in_flight", 0) > 0]
+        busy = [w for w in server.registry() if w["metadata"].get("in_flight", 0) > 0]
         if busy:
             os.kill(int(busy[0]["pid"]), signal.SIGKILL)
             return int(busy[0]["pid"])
@@ -105,16 +105,16 @@ def _wait_for(cond, seconds: float) -> None:
 
 
 def test_client_disconnect_frees_the_workers_blocks(two_worker_server: Server) -> None:
-    _wait_for(lambda: all(w["metadata"].get("kv_usage", 1) == 0 for w in two_worker_server.workers()), 30)
+    _wait_for(lambda: all(w["metadata"].get("kv_usage", 1) == 0 for w in two_worker_server.registry()), 30)
     with httpx.stream("POST", two_worker_server.url + "/v1/completions", timeout=30,
                       json={"model": "tiny", "prompt": [20, 21, 22], "max_tokens": 1500, "stream": True,
                             "ignore_eos": True}) as response:
         lines = response.iter_lines()
         for _ in range(20):
             next(lines)
-        _wait_for(lambda: any(w["metadata"].get("kv_usage", 0) > 0 for w in two_worker_server.workers()), 5)
+        _wait_for(lambda: any(w["metadata"].get("kv_usage", 0) > 0 for w in two_worker_server.registry()), 5)
     _wait_for(lambda: all(w["metadata"].get("kv_usage", 1) == 0 and w["metadata"].get("in_flight", 1) == 0
-                          for w in two_worker_server.workers()), 30)
+                          for w in two_worker_server.registry()), 30)
 
 
 def test_a_request_the_worker_refuses_is_a_400_naming_the_field(two_worker_server: Server) -> None:

@@ -89,10 +89,10 @@ def stop(server: ServeProcess) -> None:
             pass  # already gone
 
 
-@contextmanager
-def running_server(serve_flags: Sequence[str], num_workers: int, run_dir: Path, log_path: Path,
-                   start_timeout_s: float = 120.0) -> Iterator[ServeProcess]:
-    """`tokenmill serve --workers N --host 127.0.0.1 --port P --run-dir DIR *serve_flags`, stopped on exit."""
+def start_serve(serve_flags: Sequence[str], num_workers: int, run_dir: Path, log_path: Path,
+                start_timeout_s: float = 120.0) -> ServeProcess:
+    """`tokenmill serve --workers N --host 127.0.0.1 --port P --run-dir DIR *serve_flags`, healthy;
+    the caller must `stop` it."""
     port = free_port()
     argv = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", *serve_flags,
             "--workers", str(num_workers), "--host", HOST, "--port", str(port), "--run-dir", str(run_dir)]
@@ -102,11 +102,20 @@ def running_server(serve_flags: Sequence[str], num_workers: int, run_dir: Path, 
         process = subprocess.Popen(argv, stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True)
     server = ServeProcess(f"http://{HOST}:{port}", run_dir, process, num_workers)
     try:
-        try:
-            _wait_healthy(server, start_timeout_s)
-        except RuntimeError as exc:
-            tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
-            raise RuntimeError(f"{exc}; its log ends:\n{tail}") from exc
+        _wait_healthy(server, start_timeout_s)
+    except RuntimeError as exc:
+        stop(server)
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
+        raise RuntimeError(f"{exc}; its log ends:\n{tail}") from exc
+    return server
+
+
+@contextmanager
+def running_server(serve_flags: Sequence[str], num_workers: int, run_dir: Path, log_path: Path,
+                   start_timeout_s: float = 120.0) -> Iterator[ServeProcess]:
+    """`start_serve`, stopped on exit."""
+    server = start_serve(serve_flags, num_workers, run_dir, log_path, start_timeout_s)
+    try:
         yield server
     finally:
         stop(server)
