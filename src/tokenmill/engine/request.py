@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # an entity: compared by identity, never field by field
 class Request:
     request_id: str
     prompt_token_ids: list[int]
