@@ -23,6 +23,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "KV-block transfers over shm and tcp between two processes, next to raw memcpy and socket"),
     ("router-replay", "tokenmill.bench.router_replay",
      "a Mooncake trace through tokenmill serve (mock workers) under each routing policy: TTFT, prefill, hits"),
+    ("tiers", "tokenmill.bench.tiers_bench",
+     "KV tiers on small-moe: agentic TTFT with host+disk vs device-only, cross-replica TTFT via a shared tier"),
 )
 
 

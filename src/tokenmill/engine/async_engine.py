@@ -48,6 +48,7 @@ class AsyncLLMEngine:
         self._stopping.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        self.engine.close()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        extra_key: str | None = None, output_offset: int = 0) -> AsyncIterator[RequestOutput]:
@@ -84,6 +85,10 @@ class AsyncLLMEngine:
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run `fn(engine)` on the engine thread (for admin and inspection)."""
         return await self._call(lambda: fn(self.engine))
+
+    async def pin_prefix(self, token_ids: list[int]) -> bool:
+        """`LLMEngine.pin_prefix` on the engine thread (ValueError without KV tiers)."""
+        return bool(await self._call(lambda: self.engine.pin_prefix(list(token_ids))))
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self._submit(fn))

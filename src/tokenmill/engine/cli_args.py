@@ -23,6 +23,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-step-time", default=None, metavar="A,B,C,D",
                    help="mock runner seconds = A + B*prefill_tokens + C*decode_seqs + D*kv_tokens_read")
     g.add_argument("--seed", type=int, default=0)
+    add_tier_arguments(parser)
+
+
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("KV tiers (below the device pool; torch runner only)")
+    g.add_argument("--kv-host-gb", type=float, default=None, help="host-memory KV tier size in GiB")
+    g.add_argument("--kv-disk-dir", default=None, help="local-disk KV tier directory")
+    g.add_argument("--kv-disk-gb", type=float, default=None, help="disk tier size in GiB (default 4)")
+    g.add_argument("--kv-shared", default=None, help="shared KV tier: redis://host:port/db or a shared directory")
+    g.add_argument("--kv-shared-gb", type=float, default=None, help="shared tier size in GiB (default 1)")
+    g.add_argument("--kv-write-through", action="store_true", help="write every offloaded block to the shared tier")
+    g.add_argument("--kv-pin-file", default=None,
+                   help="prefixes to pin at start: JSON lines, each a prompt string or a list of token ids")
 
 
 def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0") -> EngineConfig:
@@ -33,6 +46,9 @@ def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, runner=args.runner,
         mock_step_time=parse_step_time(args.mock_step_time), seed=args.seed, worker_id=worker_id,
+        kv_host_gb=args.kv_host_gb, kv_disk_dir=args.kv_disk_dir, kv_disk_gb=args.kv_disk_gb,
+        kv_shared=args.kv_shared, kv_shared_gb=args.kv_shared_gb, kv_write_through=args.kv_write_through,
+        kv_pin_file=args.kv_pin_file,
     )
 
 
@@ -53,10 +69,14 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
             "--runner", args.runner, "--seed", str(args.seed)]
     optional = {"--threads": args.threads, "--kv-cache-blocks": args.kv_cache_blocks,
                 "--kv-cache-gb": args.kv_cache_gb, "--max-model-len": args.max_model_len,
-                "--mock-step-time": args.mock_step_time}
+                "--mock-step-time": args.mock_step_time, "--kv-host-gb": args.kv_host_gb,
+                "--kv-disk-dir": args.kv_disk_dir, "--kv-disk-gb": args.kv_disk_gb, "--kv-shared": args.kv_shared,
+                "--kv-shared-gb": args.kv_shared_gb, "--kv-pin-file": args.kv_pin_file}
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, str(value)]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
+    if args.kv_write_through:
+        argv.append("--kv-write-through")
     return argv

@@ -31,6 +31,18 @@ class EngineConfig:
     seed: int = 0
     worker_id: str = "worker-0"
     hash_seed: int = 0
+    # KV tiers below the device pool (engine/kv_tiers_wiring.py); all off by default
+    kv_host_gb: float | None = None
+    kv_disk_dir: str | None = None
+    kv_disk_gb: float | None = None  # default 4 GiB when kv_disk_dir is set
+    kv_shared: str | None = None  # redis://host:port/db or a shared directory
+    kv_shared_gb: float | None = None  # default 1 GiB when kv_shared is set
+    kv_write_through: bool = False
+    kv_pin_file: str | None = None  # JSON lines: a prompt string or a list of token ids
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return bool(self.kv_host_gb or self.kv_disk_dir or self.kv_shared)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -46,6 +58,22 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
+        self._validate_tiers()
+
+    def _validate_tiers(self) -> None:
+        for name in ("kv_host_gb", "kv_disk_gb", "kv_shared_gb"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        needs = (("kv_disk_gb", "kv_disk_dir"), ("kv_shared_gb", "kv_shared"), ("kv_write_through", "kv_shared"))
+        for name, other in needs:
+            if getattr(self, name) and not getattr(self, other):
+                raise ValueError(f"{name} needs {other}")
+        if self.kv_pin_file is not None and not self.kv_tiers_enabled:
+            raise ValueError("kv_pin_file needs a KV tier (kv_host_gb, kv_disk_dir or kv_shared)")
+        if self.kv_tiers_enabled and self.runner != "torch":
+            raise ValueError("KV tiers (kv_host_gb, kv_disk_dir, kv_shared) need runner 'torch': "
+                             "the mock runner holds no KV to offload")
 
     def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
         name = model_cfg.checkpoint_dtype if self.dtype == "auto" else self.dtype

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.kv_tiers_wiring import attach_tiers
 from tokenmill.engine.mock_runner import MockRunner
 from tokenmill.engine.model_config import ModelConfig, load_model_config
 from tokenmill.engine.output_processor import OutputProcessor
@@ -45,6 +47,8 @@ class EngineStats:
     num_preemptions: int
     prefill_blocks: int  # uncached blocks of requests still before their first token (waiting included)
     decode_blocks: int  # blocks generating requests hold beyond their prefix hits
+    onboarded_tokens: int = 0  # prompt tokens loaded from KV tiers instead of computed
+    tier_stats: dict[str, Any] = field(default_factory=dict)  # TieredKVManager.stats(); {} without tiers
 
 
 class LLMEngine:
@@ -64,6 +68,7 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.runner: ModelRunner = self._make_runner(num_blocks)
+        self.tiers = attach_tiers(self) if config.kv_tiers_enabled else None
         self.requests: dict[str, Request] = {}
         self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0)
         self._seconds = dict(prefill=0.0, decode=0.0)
@@ -128,6 +133,20 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def pin_prefix(self, token_ids: list[int]) -> bool:
+        """Pin the full blocks of a prefix in every KV tier (False when a tier's pin cap is
+        reached or the prefix has no full block); engine thread only."""
+        if self.tiers is None:
+            raise ValueError("pinning needs a KV tier (--kv-host-gb, --kv-disk-dir or --kv-shared)")
+        self._validate_prompt(token_ids)
+        return self.tiers.pin_prefix(token_ids)
+
+    def close(self) -> None:
+        """Finish queued KV offloads and release the tiers (a no-op without tiers)."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
 
     # -- stepping -------------------------------------------------------------------------
 
@@ -218,4 +237,6 @@ class LLMEngine:
             prefill_step_seconds=s["prefill"], decode_step_seconds=s["decode"],
             num_decode_only_steps=c["decode_steps"], num_preemptions=c["preemptions"],
             prefill_blocks=prefill_blocks, decode_blocks=decode_blocks,
+            onboarded_tokens=self.kv.stats.onboarded_tokens,
+            tier_stats=self.tiers.stats() if self.tiers is not None else {},
         )

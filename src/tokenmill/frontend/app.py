@@ -21,6 +21,7 @@ from tokenmill.frontend.errors import APIError, error_json, install_error_handle
 from tokenmill.frontend.generation import ServingContext
 from tokenmill.frontend.metrics import FrontendMetrics
 from tokenmill.frontend.request_args import check_model
+from tokenmill.frontend.routes_admin import admin_router
 from tokenmill.frontend.routes_chat import chat_router
 from tokenmill.frontend.routes_completions import completions_router
 from tokenmill.frontend.schema import ModelCard, ModelList
@@ -53,6 +54,7 @@ def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour:
     install_error_handlers(app, metrics.count_http_error)
     app.include_router(completions_router(ctx))
     app.include_router(chat_router(ctx))
+    app.include_router(admin_router(ctx))
     _add_service_routes(app, ctx)
     return app
 

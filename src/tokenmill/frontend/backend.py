@@ -50,6 +50,10 @@ class Backend(Protocol):
         """True when at least one worker can serve."""
         ...
 
+    async def pin_prefix(self, token_ids: list[int]) -> dict[str, str | None]:
+        """Admin: pin a prefix in every worker's KV tiers; worker id -> None when pinned, else why not."""
+        ...
+
     def metrics_snapshot(self) -> dict[str, float]:
         """Gauges for /metrics: per-worker KV usage, prefix hit rate, queue depth (flat names)."""
         ...

@@ -12,8 +12,10 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -66,10 +68,27 @@ class DistributedBackend:
                                   "tokenmill_request_migrations_total": float(self.migrations_total),
                                   **self.pool.router.metrics_snapshot()}
         for conn in self.pool.connections.values():
-            for key in ("kv_usage", "prefix_hit_rate", "num_waiting", "num_running"):
+            for key in ("kv_usage", "prefix_hit_rate", "num_waiting", "num_running", "prefill_tokens",
+                        "onboarded_tokens"):
                 if key in conn.load:
                     snap[f'tokenmill_worker_{key}{{worker="{conn.worker_id}"}}'] = float(conn.load[key])
+            snap.update(_tier_gauges(conn.worker_id, conn.load))
         return snap
+
+    async def pin_prefix(self, token_ids: list[int], timeout_s: float = 30.0) -> dict[str, str | None]:
+        """Send the prefix to every live worker; worker id -> None when pinned, else why not."""
+        request_id = f"pin-{uuid.uuid4().hex}"
+        conns = list(self.pool.connections.values())
+        queues = [conn.open_stream(request_id) for conn in conns]
+        try:
+            for conn in conns:
+                conn.send({"type": p.PIN, "request_id": request_id, "prompt_token_ids": list(token_ids)})
+            replies = await asyncio.gather(*(_reply(q, timeout_s) for q in queues))
+        finally:
+            for conn in conns:
+                conn.close_stream(request_id)
+        return {conn.worker_id: None if reply.get("ok") else str(reply.get("error") or "refused")
+                for conn, reply in zip(conns, replies, strict=True)}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float | None = None) -> AsyncIterator[RequestOutput]:
@@ -186,3 +205,21 @@ class DistributedBackend:
         progress.finished = True
         return RequestOutput(request_id, [], "", True, reason, len(progress.prompt), len(progress.generated),
                              progress.num_cached_tokens or 0)
+
+
+def _tier_gauges(worker_id: str, load: dict[str, Any]) -> dict[str, float]:
+    """A worker's `tier_<tier>_<metric>` load keys (KV tiers below its device pool) as
+    `tokenmill_worker_kv_tier_<metric>{worker,tier}` gauges."""
+    gauges: dict[str, float] = {}
+    for key, value in load.items():
+        parts = key.split("_", 2)
+        if parts[0] == "tier" and len(parts) == 3:
+            gauges[f'tokenmill_worker_kv_tier_{parts[2]}{{tier="{parts[1]}",worker="{worker_id}"}}'] = float(value)
+    return gauges
+
+
+async def _reply(queue: asyncio.Queue[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+    try:
+        return await asyncio.wait_for(queue.get(), timeout_s)
+    except TimeoutError:
+        return {"ok": False, "error": "no answer from the worker"}

@@ -57,6 +57,13 @@ class LocalBackend:
                 await self._stats_task
         await self.engine.stop()
 
+    async def pin_prefix(self, token_ids: list[int]) -> dict[str, str | None]:
+        try:
+            ok = await self.engine.pin_prefix(token_ids)
+        except ValueError as exc:
+            return {self.worker_id: str(exc)}
+        return {self.worker_id: None if ok else "refused (pin cap reached or no full block)"}
+
     def healthy(self) -> bool:
         return self._started and self.engine.is_running()
 

@@ -6,21 +6,46 @@ The scheduler asks three things: which prefix of a request is already cached
 After each step it reports how far each request has been computed
 (`cache_computed`), so newly filled blocks enter the prefix cache only once
 their KV really exists.
+
+With a `TierSource` (tiers below the device pool), `find_cached_prefix` extends
+the device hits by the run the tiers hold, and `allocate` onboards it: fresh
+blocks get the payloads and enter the prefix cache before the step, and the
+prefix shrinks to what really loaded. Nothing is onboarded when allocation fails.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tokenmill.kv.block_pool import BlockPool, KVBlock
 from tokenmill.kv.hashing import DEFAULT_SEED, block_hashes
 
 
+class TierSource(Protocol):
+    """Blocks below the device pool (engine/kv_tiers_wiring.py implements it over the tiers)."""
+
+    def lookup(self, hashes: Sequence[int]) -> int:
+        """How many leading `hashes` the tiers hold (presence only)."""
+        ...
+
+    def load_into(self, blocks: Sequence[KVBlock], hashes: Sequence[int],
+                  tokens: Sequence[Sequence[int]]) -> int:
+        """Fill `blocks` with the verified KV of the leading run of `hashes`; the run's length."""
+        ...
+
+
 @dataclass(slots=True)
 class CachedPrefix:
     blocks: list[KVBlock]
-    num_tokens: int
+    num_tokens: int  # device hits plus the tier run still to onboard (shrinks if loading falls short)
     num_queried_tokens: int = 0
+    onboard_hashes: list[int] = field(default_factory=list)  # the tier run after `blocks`
+    onboard_tokens: list[tuple[int, ...]] = field(default_factory=list)
+
+    @property
+    def num_onboard_blocks(self) -> int:
+        return len(self.onboard_hashes)
 
 
 @dataclass(slots=True)
@@ -34,7 +59,8 @@ class _SeqKV:
 @dataclass(slots=True)
 class PrefixCacheStats:
     queried_tokens: int = 0
-    hit_tokens: int = 0
+    hit_tokens: int = 0  # device prefix-cache hits
+    onboarded_tokens: int = 0  # tokens loaded from tiers below the device pool
 
     @property
     def hit_rate(self) -> float:
@@ -42,8 +68,9 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, hash_seed: int = DEFAULT_SEED) -> None:
+    def __init__(self, pool: BlockPool, hash_seed: int = DEFAULT_SEED, tiers: TierSource | None = None) -> None:
         self.pool = pool
+        self.tiers = tiers
         self.block_size = pool.block_size
         self.hash_seed = hash_seed
         self._seqs: dict[str, _SeqKV] = {}
@@ -66,7 +93,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return CachedPrefix(hits, len(hits) * bs, len(token_ids))
+        cached = CachedPrefix(hits, len(hits) * bs, len(token_ids))
+        if self.tiers is not None and len(hits) < max_blocks:
+            run = self.tiers.lookup(seq.hashes[len(hits):max_blocks])
+            cached.onboard_hashes = seq.hashes[len(hits):len(hits) + run]
+            cached.onboard_tokens = [tuple(token_ids[i * bs:(i + 1) * bs]) for i in range(len(hits), len(hits) + run)]
+            cached.num_tokens += run * bs
+        return cached
 
     def allocate(
         self, request_id: str, num_tokens_total: int, cached: CachedPrefix | None = None
@@ -84,7 +117,7 @@ class KVCacheManager:
             return False
         if cached is not None:
             self.stats.queried_tokens += cached.num_queried_tokens
-            self.stats.hit_tokens += cached.num_tokens
+            self.stats.hit_tokens += len(hits) * self.block_size
         if hits:
             self.pool.touch(hits)
             seq.blocks.extend(hits)
@@ -94,7 +127,23 @@ class KVCacheManager:
             if fresh is None:  # cannot happen after the check above; keep state consistent anyway
                 return False
             seq.blocks.extend(fresh)
+            if cached is not None and cached.num_onboard_blocks:
+                self._onboard(seq, cached, fresh)
         return True
+
+    def _onboard(self, seq: _SeqKV, cached: CachedPrefix, fresh: list[KVBlock]) -> None:
+        """Load the tier run into the first fresh blocks and register what loaded."""
+        start, bs = len(cached.blocks), self.block_size
+        want = min(cached.num_onboard_blocks, len(fresh))
+        hashes, tokens = cached.onboard_hashes[:want], cached.onboard_tokens[:want]
+        loaded = self.tiers.load_into(fresh[:want], hashes, tokens) if self.tiers is not None else 0
+        if loaded:
+            parent = seq.hashes[start - 1] if start > 0 else None
+            self.pool.cache_blocks(fresh[:loaded], hashes[:loaded], tokens[:loaded], parent)
+            seq.num_cached_blocks = start + loaded
+        cached.num_tokens -= (cached.num_onboard_blocks - loaded) * bs
+        del cached.onboard_hashes[loaded:], cached.onboard_tokens[loaded:]
+        self.stats.onboarded_tokens += loaded * bs
 
     def cache_computed(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the request's blocks that `num_computed` tokens have filled."""

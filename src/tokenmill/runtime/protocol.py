@@ -21,6 +21,7 @@ from tokenmill.engine.sampling import SamplingParams, TokenLogprob
 HELLO, GENERATE, ABORT = "hello", "generate", "abort"
 TOKENS, ERROR, HEARTBEAT = "tokens", "error", "heartbeat"
 KV_SNAPSHOT, KV_EVENTS = "kv_snapshot", "kv_events"
+PIN, PINNED = "pin", "pinned"  # {request_id, prompt_token_ids} -> {request_id, ok, error}
 
 # error codes a worker may answer a generate with
 INVALID_REQUEST, OVERLOADED, INTERNAL = "invalid_request", "overloaded", "internal"

@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.kv_tiers_wiring import tier_load
 from tokenmill.engine.llm_engine import EngineStats
 from tokenmill.engine.request import FINISH_ABORT, RequestOutput
 from tokenmill.runtime import protocol as p
@@ -105,7 +106,9 @@ class WorkerServer:
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "kv_usage": stats.kv_usage, "prefix_hit_rate": stats.prefix_hit_rate,
                 "prefill_blocks": stats.prefill_blocks, "decode_blocks": stats.decode_blocks,
-                "in_flight": len(self.tasks), "requests_served": self.requests_served}
+                "in_flight": len(self.tasks), "requests_served": self.requests_served,
+                "prefill_tokens": stats.prefill_tokens, "onboarded_tokens": stats.onboarded_tokens,
+                **tier_load(stats.tier_stats)}
 
     async def _receive_loop(self) -> None:
         stop = asyncio.create_task(self._stopping.wait())
@@ -136,6 +139,17 @@ class WorkerServer:
                 task.cancel()
         elif kind == p.KV_SNAPSHOT and self.publisher is not None:
             asyncio.create_task(self._send_snapshot(peer))
+        elif kind == p.PIN:
+            asyncio.create_task(self._pin(peer, msg))
+
+    async def _pin(self, peer: bytes, msg: dict) -> None:
+        """Admin: pin a prefix in this worker's KV tiers; a refusal is `ok: false` with the reason."""
+        ok, error = False, None
+        try:
+            ok = await self.engine.pin_prefix(list(msg.get("prompt_token_ids") or []))
+        except ValueError as exc:
+            error = str(exc)
+        self._send(peer, {"type": p.PINNED, "request_id": str(msg.get("request_id", "")), "ok": ok, "error": error})
 
     async def _send_snapshot(self, peer: bytes) -> None:
         if self.publisher is not None:

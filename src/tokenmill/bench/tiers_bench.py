@@ -1,0 +1,221 @@
+"""`tokenmill bench tiers`: TTFT of an agentic workload with KV tiers (host + disk) vs device
+only, and the first request on a corpus at a second replica with a shared tier vs none.
+
+Workload (issue 6, scaled to small-moe's 4,096-token context): `--agents` agents share one
+`--corpus-tokens` corpus (default 2,048, not 4,096, so the last turn still fits); each runs
+`--turns` turns, a turn appending `--turn-tokens` new tokens plus the previous answer
+(`--output-tokens`, greedy, exact length) to its own history. Requests run one at a time,
+agents round-robin within a turn; TTFT is the time from `add_request` to the first token,
+in-process. The device pool is a quarter of the working set (corpus + every history), but
+never below the longest prompt plus a few blocks. Cross-replica: engine A computes the
+corpus plus a question (shared tier written through); engine B then answers the corpus
+plus another question, with the same shared tier (Redis, a `redis-server` child on
+loopback unless `--kv-shared` is given; a directory when redis-server is missing) vs none.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TierRun:
+    name: str
+    mean_ttft_s: float
+    p90_ttft_s: float
+    prefill_tokens: int
+    onboarded_tokens: int
+    requests: int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint dir (default: make small-moe in a temp dir)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--agents", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--corpus-tokens", type=int, default=2048)
+    parser.add_argument("--turn-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--kv-shared", default=None, help="shared tier for the cross-replica part (redis://… or dir)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the figures here")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("threads", "agents", "turns", "corpus_tokens", "turn_tokens", "output_tokens"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive")
+    with tempfile.TemporaryDirectory(prefix="tm-tiers-") as tmp:
+        model = args.model or str(_make_model(Path(tmp) / "small-moe"))
+        agentic = _agentic(args, model, Path(tmp))
+        cross = _cross_replica(args, model, Path(tmp))
+    report = {"agentic": [asdict(r) for r in agentic], "cross_replica": cross}
+    _render(agentic, cross)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _make_model(out: Path) -> Path:
+    from tokenmill.engine.make_model import write_model
+
+    log.info("writing small-moe to %s", out)
+    return write_model("small-moe", out, seed=0)
+
+
+def _engine(model: str, args: argparse.Namespace, blocks: int, worker: str, **tiers: Any) -> Any:
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(model=model, threads=args.threads, num_kv_blocks=blocks, max_num_seqs=8,
+                       max_num_batched_tokens=4096, worker_id=worker, seed=args.seed, **tiers)
+    return LLMEngine(cfg, load_tokenizer=False)
+
+
+def _ttft(engine: Any, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    """Seconds to the first token, and every output token (run to completion)."""
+    from tokenmill.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    first, tokens = None, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            if first is None and tokens:
+                first = time.perf_counter() - start
+    return first or 0.0, tokens
+
+
+def _agentic(args: argparse.Namespace, model: str, tmp: Path) -> list[TierRun]:
+    rng = random.Random(args.seed)
+    corpus = [rng.randrange(10, 8000) for _ in range(args.corpus_tokens)]
+    turns = [[[rng.randrange(10, 8000) for _ in range(args.turn_tokens)] for _ in range(args.turns)]
+             for _ in range(args.agents)]
+    per_turn = args.turn_tokens + args.output_tokens
+    working = (args.corpus_tokens + args.agents * args.turns * per_turn) // 16
+    longest = (args.corpus_tokens + args.turns * per_turn) // 16 + 4
+    blocks = max(working // 4, longest)
+    block_gb = _block_bytes(model) / 2**30
+    log.info("working set %d blocks, device pool %d blocks (%.0f%%)", working, blocks, 100 * blocks / working)
+    runs = []
+    modes = [("device-only", {})]
+    for fraction in (0.5, 1.0):  # host holding half / all of the working set; disk twice it
+        modes.append((f"host{fraction:.0%}+disk", {"kv_host_gb": block_gb * working * fraction,
+                                                   "kv_disk_dir": str(tmp / f"disk{fraction}"),
+                                                   "kv_disk_gb": block_gb * working * 2}))
+    for name, tiers in modes:
+        engine = _engine(model, args, blocks, name, **tiers)
+        ttfts = _agent_loop(engine, args, corpus, turns)
+        stats = engine.stats()
+        engine.close()
+        runs.append(TierRun(name, statistics.fmean(ttfts), _p90(ttfts), stats.prefill_tokens,
+                            stats.onboarded_tokens, len(ttfts)))
+        log.info("%s: mean TTFT %.3fs", name, runs[-1].mean_ttft_s)
+    return runs
+
+
+def _agent_loop(engine: Any, args: argparse.Namespace, corpus: list[int], turns: list[list[list[int]]]) -> list[float]:
+    histories = [list(corpus) for _ in range(args.agents)]
+    ttfts = []
+    for turn in range(args.turns):
+        for agent in range(args.agents):
+            histories[agent].extend(turns[agent][turn])
+            ttft, output = _ttft(engine, f"a{agent}-t{turn}", histories[agent], args.output_tokens)
+            histories[agent].extend(output)
+            ttfts.append(ttft)
+    return ttfts
+
+
+def _cross_replica(args: argparse.Namespace, model: str, tmp: Path) -> dict[str, float]:
+    rng = random.Random(args.seed + 1)
+    corpus = [rng.randrange(10, 8000) for _ in range(args.corpus_tokens)]
+    questions = [[rng.randrange(10, 8000) for _ in range(32)] for _ in range(2)]
+    blocks = (args.corpus_tokens + 64) // 16 + 8
+    server, shared = _shared_tier(args, tmp)
+    try:
+        result: dict[str, float] = {}
+        for name, tiers in (("none", {}), ("shared", {"kv_shared": shared})):
+            a = _engine(model, args, blocks, "replica-a", **tiers, kv_write_through=bool(tiers))
+            _ttft(a, "a", corpus + questions[0], 2)
+            if a.tiers is not None:
+                a.tiers.manager.drain(timeout_s=60)
+            b = _engine(model, args, blocks, "replica-b", **tiers)
+            result[f"ttft_{name}_s"], _ = _ttft(b, "b", corpus + questions[1], 2)
+            result[f"prefill_tokens_{name}"] = b.stats().prefill_tokens
+            a.close()
+            b.close()
+        result["shared_tier"] = 0.0 if shared.startswith("redis://") else 1.0
+        return result
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=10)
+
+
+def _shared_tier(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[bytes] | None, str]:
+    if args.kv_shared:
+        return None, args.kv_shared
+    binary = shutil.which("redis-server")
+    if binary is None:
+        log.warning("redis-server not found: the shared tier is a directory")
+        return None, str(tmp / "shared")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                               "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_port(port)
+    return server, f"redis://127.0.0.1:{port}/0"
+
+
+def _wait_for_port(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server did not come up on port {port}")
+
+
+def _block_bytes(model: str) -> int:
+    from tokenmill.engine.model_config import load_model_config
+
+    cfg = load_model_config(model)
+    itemsize = 2 if cfg.checkpoint_dtype in ("bfloat16", "float16") else 4
+    return 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def _render(agentic: list[TierRun], cross: dict[str, float]) -> None:
+    lines = [f"{'mode':<16} {'requests':>8} {'mean TTFT s':>12} {'p90 TTFT s':>11} {'prefill tok':>12} {'onboarded':>10}"]
+    lines += [f"{r.name:<16} {r.requests:>8} {r.mean_ttft_s:>12.3f} {r.p90_ttft_s:>11.3f} {r.prefill_tokens:>12} "
+              f"{r.onboarded_tokens:>10}" for r in agentic]
+    lines += [f"mean TTFT speedup, {r.name} vs device-only: {agentic[0].mean_ttft_s / r.mean_ttft_s:.2f}x "
+              "(target >= 4x)" for r in agentic[1:]]
+    lines.append(f"cross-replica first request at B: none {cross['ttft_none_s']:.3f}s "
+                 f"({cross['prefill_tokens_none']:.0f} prefill tok), shared {cross['ttft_shared_s']:.3f}s "
+                 f"({cross['prefill_tokens_shared']:.0f} prefill tok): "
+                 f"{cross['ttft_none_s'] / cross['ttft_shared_s']:.2f}x (target >= 3x)")
+    sys.stdout.write("\n".join(lines) + "\n")
