@@ -102,11 +102,17 @@ def _ttft(engine: Any, request_id: str, prompt: list[int], max_tokens: int) -> t
     return first or 0.0, tokens
 
 
+def _tokens(rng: random.Random, model: str, n: int) -> list[int]:
+    from tokenmill.engine.model_config import load_model_config
+
+    vocab = load_model_config(model).vocab_size
+    return [rng.randrange(10, vocab - 10) for _ in range(n)]
+
+
 def _agentic(args: argparse.Namespace, model: str, tmp: Path) -> list[TierRun]:
     rng = random.Random(args.seed)
-    corpus = [rng.randrange(10, 8000) for _ in range(args.corpus_tokens)]
-    turns = [[[rng.randrange(10, 8000) for _ in range(args.turn_tokens)] for _ in range(args.turns)]
-             for _ in range(args.agents)]
+    corpus = _tokens(rng, model, args.corpus_tokens)
+    turns = [[_tokens(rng, model, args.turn_tokens) for _ in range(args.turns)] for _ in range(args.agents)]
     per_turn = args.turn_tokens + args.output_tokens
     working = (args.corpus_tokens + args.agents * args.turns * per_turn) // 16
     longest = (args.corpus_tokens + args.turns * per_turn) // 16 + 4
@@ -144,8 +150,8 @@ def _agent_loop(engine: Any, args: argparse.Namespace, corpus: list[int], turns:
 
 def _cross_replica(args: argparse.Namespace, model: str, tmp: Path) -> dict[str, float]:
     rng = random.Random(args.seed + 1)
-    corpus = [rng.randrange(10, 8000) for _ in range(args.corpus_tokens)]
-    questions = [[rng.randrange(10, 8000) for _ in range(32)] for _ in range(2)]
+    corpus = _tokens(rng, model, args.corpus_tokens)
+    questions = [_tokens(rng, model, 32) for _ in range(2)]
     blocks = (args.corpus_tokens + 64) // 16 + 8
     server, shared = _shared_tier(args, tmp)
     try:
