@@ -30,15 +30,20 @@ def test_pin_body_forms(tiny_dense: Path) -> None:
 
 
 def test_local_backend_pins_in_its_engine(tiny_dense: Path) -> None:
+    gauges: list[str] = []
+
     async def scenario(engine: LLMEngine) -> dict[str, str | None]:
         backend = LocalBackend(AsyncLLMEngine(engine), "tiny")
         await backend.start()
         try:
+            gauges[:] = list(backend.metrics_snapshot())
             return await backend.pin_prefix(list(range(20, 60)))
         finally:
             await backend.stop()
 
     tiered = LLMEngine(EngineConfig(model=str(tiny_dense), num_kv_blocks=32, kv_host_gb=0.01))
     assert asyncio.run(scenario(tiered)) == {"local": None}
+    assert 'tokenmill_worker_kv_tier_capacity_bytes{tier="host",worker="local"}' in gauges
     plain = LLMEngine(EngineConfig(model=str(tiny_dense), num_kv_blocks=32))
     assert "--kv-host-gb" in (asyncio.run(scenario(plain))["local"] or "")
+    assert not any("kv_tier" in g for g in gauges)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,32 @@ class TestShared:
         outs, computed, onboarded = second_pass(eng, batch)
         assert outs == reference["outs"] and onboarded == 0 and computed == 4 * 70
         eng.close()
+
+    def test_redis_stopped_mid_run_serving_continues(self, tiny_dense: Path, redis_server: RedisServer) -> None:
+        early, late = prompts(4, seed=5), prompts(2, seed=6)
+        expected = _run_with_arrivals(engine(tiny_dense, blocks=24), early, late, lambda: None)
+        eng = engine(tiny_dense, blocks=24, kv_shared=redis_server.url, kv_write_through=True)
+        assert _run_with_arrivals(eng, early, late, redis_server.stop) == expected
+        assert eng.tiers.manager.drain(timeout_s=60)
+        assert eng.stats().tier_stats["tiers"]["shared"]["errors"] > 0  # the late lookups found Redis down
+        eng.close()
+
+
+def _run_with_arrivals(eng: LLMEngine, early: list[list[int]], late: list[list[int]],
+                       at_step_2: Callable[[], None]) -> list[list[int]]:
+    """`early` from the start, `at_step_2()` then `late` while those are in flight; outputs in order."""
+    got: dict[str, list[int]] = {}
+    for i, prompt in enumerate(early):
+        eng.add_request(f"e{i}", prompt, GREEDY)
+        got[f"e{i}"] = []
+    for step in range(10_000):
+        if step == 2:
+            at_step_2()
+            for i, prompt in enumerate(late):
+                eng.add_request(f"l{i}", prompt, GREEDY)
+                got[f"l{i}"] = []
+        elif step > 2 and not eng.has_unfinished():
+            break
+        for out in eng.step():
+            got[out.request_id].extend(out.new_token_ids)
+    return list(got.values())

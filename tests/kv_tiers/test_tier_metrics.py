@@ -9,8 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.engine.cli_args import add_engine_arguments, engine_argv, engine_config_from_args
 from tokenmill.engine.kv_tiers_wiring import tier_load
-from tokenmill.frontend.distributed_backend import _tier_gauges
-from tokenmill.frontend.metrics import FrontendMetrics
+from tokenmill.frontend.metrics import FrontendMetrics, tier_gauges
 
 TIER_STATS = {"tiers": {"host": {"hits": 5, "misses": 2, "used_bytes": 4096, "capacity_bytes": 8192, "puts": 9},
                         "shared": {"hits": 1, "misses": 7, "errors": 3, "used_bytes": 0, "capacity_bytes": 100}},
@@ -26,7 +25,7 @@ def test_tier_load_flattens_per_tier_counters() -> None:
 
 
 def test_metrics_show_tier_gauges_per_worker_and_tier() -> None:
-    snapshot = {"tokenmill_workers": 1.0, **_tier_gauges("w0", {"num_running": 1, **tier_load(TIER_STATS)})}
+    snapshot = {"tokenmill_workers": 1.0, **tier_gauges("w0", {"num_running": 1, **tier_load(TIER_STATS)})}
     text = generate_latest(FrontendMetrics(lambda: snapshot).registry).decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}

@@ -215,7 +215,8 @@ def _p90(values: list[float]) -> float:
 
 
 def _render(agentic: list[TierRun], cross: dict[str, float]) -> None:
-    lines = [f"{'mode':<16} {'requests':>8} {'mean TTFT s':>12} {'p90 TTFT s':>11} {'prefill tok':>12} {'onboarded':>10}"]
+    lines = [f"{'mode':<16} {'requests':>8} {'mean TTFT s':>12} {'p90 TTFT s':>11} {'prefill tok':>12} "
+             f"{'onboarded':>10}"]
     lines += [f"{r.name:<16} {r.requests:>8} {r.mean_ttft_s:>12.3f} {r.p90_ttft_s:>11.3f} {r.prefill_tokens:>12} "
               f"{r.onboarded_tokens:>10}" for r in agentic]
     lines += [f"mean TTFT speedup, {r.name} vs device-only: {agentic[0].mean_ttft_s / r.mean_ttft_s:.2f}x "

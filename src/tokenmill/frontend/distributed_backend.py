@@ -23,6 +23,7 @@ from tokenmill.engine.request import FINISH_ABORT, FINISH_ERROR, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.backend import BackendUnavailable, Overloaded
+from tokenmill.frontend.metrics import tier_gauges
 from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool
 from tokenmill.kv.hashing import block_hashes
 from tokenmill.router.decision import RoutingRequest
@@ -72,7 +73,7 @@ class DistributedBackend:
                         "onboarded_tokens"):
                 if key in conn.load:
                     snap[f'tokenmill_worker_{key}{{worker="{conn.worker_id}"}}'] = float(conn.load[key])
-            snap.update(_tier_gauges(conn.worker_id, conn.load))
+            snap.update(tier_gauges(conn.worker_id, conn.load))
         return snap
 
     async def pin_prefix(self, token_ids: list[int], timeout_s: float = 30.0) -> dict[str, str | None]:
@@ -206,16 +207,6 @@ class DistributedBackend:
         return RequestOutput(request_id, [], "", True, reason, len(progress.prompt), len(progress.generated),
                              progress.num_cached_tokens or 0)
 
-
-def _tier_gauges(worker_id: str, load: dict[str, Any]) -> dict[str, float]:
-    """A worker's `tier_<tier>_<metric>` load keys (KV tiers below its device pool) as
-    `tokenmill_worker_kv_tier_<metric>{worker,tier}` gauges."""
-    gauges: dict[str, float] = {}
-    for key, value in load.items():
-        parts = key.split("_", 2)
-        if parts[0] == "tier" and len(parts) == 3:
-            gauges[f'tokenmill_worker_kv_tier_{parts[2]}{{tier="{parts[1]}",worker="{worker_id}"}}'] = float(value)
-    return gauges
 
 
 async def _reply(queue: asyncio.Queue[dict[str, Any]], timeout_s: float) -> dict[str, Any]:

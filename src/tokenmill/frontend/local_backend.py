@@ -16,11 +16,13 @@ import time
 from collections.abc import AsyncIterator
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.kv_tiers_wiring import tier_load
 from tokenmill.engine.llm_engine import EngineStats
 from tokenmill.engine.request import FINISH_ABORT, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.backend import Overloaded
+from tokenmill.frontend.metrics import tier_gauges
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,9 @@ class LocalBackend:
             snapshot[f"tokenmill_worker_prefix_hit_rate{worker}"] = stats.prefix_hit_rate
             snapshot[f"tokenmill_worker_num_waiting{worker}"] = float(stats.num_waiting)
             snapshot[f"tokenmill_worker_num_running{worker}"] = float(stats.num_running)
+            snapshot[f"tokenmill_worker_prefill_tokens{worker}"] = float(stats.prefill_tokens)
+            snapshot[f"tokenmill_worker_onboarded_tokens{worker}"] = float(stats.onboarded_tokens)
+            snapshot.update(tier_gauges(self.worker_id, tier_load(stats.tier_stats)))
         return snapshot
 
     async def _poll_stats(self) -> None:

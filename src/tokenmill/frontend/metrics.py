@@ -31,6 +31,17 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0
 RATE_WINDOW_S = 60.0
 
 
+def tier_gauges(worker_id: str, load: dict[str, float]) -> dict[str, float]:
+    """A worker's `tier_<tier>_<metric>` load keys (KV tiers below its device pool) as
+    `tokenmill_worker_kv_tier_<metric>{worker,tier}` gauges."""
+    gauges: dict[str, float] = {}
+    for key, value in load.items():
+        parts = key.split("_", 2)
+        if parts[0] == "tier" and len(parts) == 3:
+            gauges[f'tokenmill_worker_kv_tier_{parts[2]}{{tier="{parts[1]}",worker="{worker_id}"}}'] = float(value)
+    return gauges
+
+
 def parse_series(key: str) -> tuple[str, dict[str, str]] | None:
     """'name{a="x",b="y"}' -> ('name', {'a': 'x', 'b': 'y'}); None when malformed."""
     match = _SERIES.match(key.strip())
