@@ -26,6 +26,7 @@ def test_pin_endpoint_and_tier_metrics(tiny_dense: Path, tmp_path: Path, redis_s
     server = start_server(tiny_dense, tmp_path / "run", "--kv-cache-blocks", "64", "--kv-host-gb", "0.01",
                           "--kv-shared", redis_server.url, "--kv-write-through", workers=2)
     try:
+        assert "tokenmill_workers 2.0" in _metrics_with(server.url, "tokenmill_workers 2.0")  # both connected
         prefix = list(range(20, 84))
         answer = httpx.post(server.url + "/admin/pin", json={"prompt": prefix}, timeout=30)
         assert answer.status_code == 200
@@ -55,3 +56,31 @@ def test_pin_without_tiers_names_the_flag(tiny_dense: Path, tmp_path: Path) -> N
         assert all("--kv-host-gb" in why for why in body["workers"].values())
     finally:
         stop_server(server)
+
+
+def _worker_gauge(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(f"tokenmill_worker_{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    return -1.0
+
+
+def test_second_replica_serves_a_prefix_the_first_computed(tiny_dense: Path, tmp_path: Path,
+                                                          redis_server: RedisServer) -> None:
+    flags = ("--kv-cache-blocks", "64", "--kv-shared", redis_server.url, "--kv-write-through")
+    first = start_server(tiny_dense, tmp_path / "a", *flags)
+    second = start_server(tiny_dense, tmp_path / "b", *flags)
+    try:
+        corpus = list(range(30, 30 + 96))  # 6 full blocks
+        for server, question in ((first, [7, 8, 9]), (second, [10, 11, 12])):
+            done = httpx.post(server.url + "/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": corpus + question, "max_tokens": 2})
+            assert done.status_code == 200
+        deadline = time.monotonic() + 20
+        while _worker_gauge(second.url, "onboarded_tokens") < 96 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _worker_gauge(second.url, "onboarded_tokens") == 96
+        assert _worker_gauge(second.url, "prefill_tokens") == 3  # only the question was computed
+    finally:
+        stop_server(first)
+        stop_server(second)
