@@ -25,3 +25,22 @@ def test_flush_emits_an_incomplete_tail(tiny_dense: Path) -> None:
     detok = IncrementalDetokenizer(tok, [])
     assert detok.add(ids[:-1]) == ""
     assert detok.flush() != ""
+
+
+def test_a_continuation_elsewhere_emits_the_text_held_back_mid_character(tiny_dense: Path) -> None:
+    tok = Tokenizer(tiny_dense)
+    prompt = tok.encode("Once upon a time")
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    first = IncrementalDetokenizer(tok, prompt)
+    cuts = []
+    for i, t in enumerate(ids):
+        first.add([t])
+        if first.pending_tokens:
+            cuts.append(i + 1)
+    assert cuts  # some prefix ends mid-character
+    for cut in cuts:
+        before = IncrementalDetokenizer(tok, prompt)
+        emitted = "".join(before.add([t]) for t in ids[:cut])
+        after = IncrementalDetokenizer(tok, prompt + ids[:cut], pending=before.pending_tokens)
+        rest = "".join(after.add([t]) for t in ids[cut:]) + after.flush()
+        assert emitted + rest == TEXT

@@ -51,13 +51,14 @@ class AsyncLLMEngine:
         self.engine.close()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       extra_key: str | None = None, output_offset: int = 0) -> AsyncIterator[RequestOutput]:
+                       extra_key: str | None = None, output_offset: int = 0,
+                       text_pending: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream the request's deltas; raises ValueError (from validation) before the first."""
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = stream
         try:
             await self._call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, extra_key,
-                                                             output_offset))
+                                                             output_offset, text_pending))
         except asyncio.CancelledError:
             self._streams.pop(request_id, None)
             self._submit(lambda: self.engine.abort(request_id))  # it may have been added before we gave up

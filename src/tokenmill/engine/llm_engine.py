@@ -98,9 +98,10 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    extra_key: str | None = None, output_offset: int = 0) -> None:
+                    extra_key: str | None = None, output_offset: int = 0, text_pending: int = 0) -> None:
         """Queue a request. `output_offset` continues a migrated request: its prompt already
-        ends with that many generated tokens, and seeded sampling resumes at that index."""
+        ends with that many generated tokens, and seeded sampling resumes at that index;
+        `text_pending` of them still owe the client their text."""
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         if request_id in self.requests:
@@ -108,7 +109,8 @@ class LLMEngine:
         self._validate_prompt(prompt_token_ids)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer")
-        request = Request(request_id, list(prompt_token_ids), params, extra_key, output_offset)
+        request = Request(request_id, list(prompt_token_ids), params, extra_key, output_offset,
+                          min(max(text_pending, 0), output_offset))
         self.requests[request_id] = request
         self.output.add(request)
         self.scheduler.add(request)
@@ -189,6 +191,7 @@ class LLMEngine:
         if stop is None and matched is not None:
             stop = (FINISH_STOP, None)
             request.stop_reason = matched
+        pending = self.output.pending_tokens(request.request_id)
         if stop is not None:
             reason, stop_token = stop
             if stop_token is not None:
@@ -199,7 +202,7 @@ class LLMEngine:
         return RequestOutput(
             request.request_id, [token], text, request.is_finished, request.finish_reason,
             request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
-            [logprob] if logprob is not None else [], request.stop_reason,
+            [logprob] if logprob is not None else [], request.stop_reason, pending,
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

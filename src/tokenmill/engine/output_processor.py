@@ -30,7 +30,12 @@ class OutputProcessor:
 
     def add(self, request: Request) -> None:
         if self.tokenizer is not None:
-            self._text[request.request_id] = _TextState(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids))
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, pending=request.text_pending)
+            self._text[request.request_id] = _TextState(detok)
+
+    def pending_tokens(self, request_id: str) -> int:
+        state = self._text.get(request_id)
+        return state.detok.pending_tokens if state is not None else 0
 
     def remove(self, request_id: str) -> None:
         self._text.pop(request_id, None)

@@ -25,6 +25,7 @@ class Request:
     params: SamplingParams
     extra_key: str | None = None  # namespace for prefix caching (LoRA, cache salt)
     output_offset: int = 0  # tokens generated elsewhere before this (a migrated request's seed stream)
+    text_pending: int = 0  # of those, the trailing ones whose text the client has not seen yet
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)  # prompt + output, grows by one per step
     output_token_ids: list[int] = field(default_factory=list)
@@ -73,3 +74,4 @@ class RequestOutput:
     num_cached_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_reason: str | int | None = None
+    text_pending_tokens: int = 0  # trailing tokens whose text is held back (an incomplete character)

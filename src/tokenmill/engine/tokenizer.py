@@ -61,12 +61,20 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas, never splitting a multi-byte character."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+                 pending: int = 0) -> None:
+        """`pending`: the prompt's last tokens whose text was never emitted (a migrated request's
+        tail held back mid-character); their text comes out with the next delta."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_ids[-_DETOKENIZE_CONTEXT:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.ids = list(prompt_ids[-(_DETOKENIZE_CONTEXT + pending):])
+        self.read_offset = len(self.ids) - min(pending, len(self.ids))
+        self.prefix_offset = max(0, self.read_offset - _DETOKENIZE_CONTEXT)
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens added whose text has not been emitted yet."""
+        return len(self.ids) - self.read_offset
 
     def add(self, token_ids: Sequence[int]) -> str:
         self.ids.extend(token_ids)

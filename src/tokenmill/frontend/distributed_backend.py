@@ -40,6 +40,7 @@ class _Progress:
     params: SamplingParams
     generated: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None
+    text_pending: int = 0  # trailing generated tokens whose text the client has not received
     migrations: int = 0
     finished: bool = False
 
@@ -168,7 +169,8 @@ class DistributedBackend:
         remaining = dataclasses.replace(progress.params,
                                         max_tokens=progress.params.max_tokens - len(progress.generated))
         return p.generate_message(request_id, progress.prompt + progress.generated, remaining, None,
-                                  len(progress.generated), max(0.0, deadline - time.monotonic()))
+                                  len(progress.generated), max(0.0, deadline - time.monotonic()),
+                                  progress.text_pending)
 
     @staticmethod
     async def _next(queue: asyncio.Queue, deadline: float) -> dict | None:
@@ -197,6 +199,7 @@ class DistributedBackend:
         if progress.num_cached_tokens is None:
             progress.num_cached_tokens = out.num_cached_tokens
         progress.generated.extend(out.new_token_ids)
+        progress.text_pending = out.text_pending_tokens
         return dataclasses.replace(out, num_prompt_tokens=len(progress.prompt),
                                    num_output_tokens=len(progress.generated),
                                    num_cached_tokens=progress.num_cached_tokens)

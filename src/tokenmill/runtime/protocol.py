@@ -46,10 +46,11 @@ def unpack(frame: bytes) -> dict[str, Any]:
 
 
 def generate_message(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     extra_key: str | None, output_offset: int, timeout_s: float | None) -> dict[str, Any]:
+                     extra_key: str | None, output_offset: int, timeout_s: float | None,
+                     text_pending: int = 0) -> dict[str, Any]:
     return {"type": GENERATE, "request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
             "params": dataclasses.asdict(params), "extra_key": extra_key,
-            "output_offset": output_offset, "timeout_s": timeout_s}
+            "output_offset": output_offset, "text_pending": text_pending, "timeout_s": timeout_s}
 
 
 def params_from_wire(raw: Any) -> SamplingParams:
@@ -71,6 +72,7 @@ def tokens_message(out: RequestOutput) -> dict[str, Any]:
             "text": out.new_text, "finished": out.finished, "finish_reason": out.finish_reason,
             "num_prompt_tokens": out.num_prompt_tokens, "num_output_tokens": out.num_output_tokens,
             "num_cached_tokens": out.num_cached_tokens, "stop_reason": out.stop_reason,
+            "text_pending": out.text_pending_tokens,
             "logprobs": [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.new_logprobs]}
 
 
@@ -83,7 +85,7 @@ def output_from_wire(msg: dict[str, Any]) -> RequestOutput:
             num_cached_tokens=int(msg["num_cached_tokens"]),
             new_logprobs=[TokenLogprob(t, lp, [(int(i), float(v)) for i, v in top])
                           for t, lp, top in msg.get("logprobs") or []],
-            stop_reason=msg.get("stop_reason"),
+            stop_reason=msg.get("stop_reason"), text_pending_tokens=int(msg.get("text_pending") or 0),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed tokens frame: {exc}") from exc

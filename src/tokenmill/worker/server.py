@@ -174,7 +174,8 @@ class WorkerServer:
         try:
             params = p.params_from_wire(msg.get("params"))
             stream = self.engine.generate(request_id, list(msg.get("prompt_token_ids") or []), params,
-                                          msg.get("extra_key"), int(msg.get("output_offset") or 0))
+                                          msg.get("extra_key"), int(msg.get("output_offset") or 0),
+                                          int(msg.get("text_pending") or 0))
             async with asyncio.timeout_at(_loop_deadline(deadline)):
                 async for out in stream:
                     last = out
