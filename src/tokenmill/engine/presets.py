@@ -53,16 +53,16 @@ def _common(vocab_size: int, max_positions: int, rope_theta: float) -> dict[str,
     }
 
 
+# The tiny presets share one shape so they load and run in well under a second.
+_TINY_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16}
+
+
 def _tiny_dense() -> Preset:
     cfg = {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
+        **_TINY_SHAPE,
         "attention_bias": False,
         "tie_word_embeddings": True,
         "use_sliding_window": False,
@@ -77,12 +77,7 @@ def _tiny_llama() -> Preset:
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
+        **_TINY_SHAPE,
         # HF Llama's attention_bias puts a bias on q, k, v *and* o_proj.
         "attention_bias": True,
         "mlp_bias": False,
