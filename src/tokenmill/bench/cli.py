@@ -25,6 +25,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "a Mooncake trace through tokenmill serve (mock workers) under each routing policy: TTFT, prefill, hits"),
     ("tiers", "tokenmill.bench.tiers_bench",
      "KV tiers on small-moe: agentic TTFT with host+disk vs device-only, cross-replica TTFT via a shared tier"),
+    ("disagg", "tokenmill.bench.disagg_bench",
+     "prefill/decode interference on small-moe: aggregated vs disaggregated TTFT, ITL p50/p99, output tok/s"),
 )
 
 
