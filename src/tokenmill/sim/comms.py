@@ -16,10 +16,20 @@ def group_bandwidth(gpu: GpuSpec, group: np.ndarray) -> np.ndarray:
 
 
 def allreduce_time(gpu: GpuSpec, group: np.ndarray, nbytes: np.ndarray, latency_scale: float = 1.0) -> np.ndarray:
-    """Ring all-reduce: 2(n-1)/n of the message crosses each GPU's link."""
+    """All-reduce of `nbytes` per GPU: a ring inside one NVLink domain, hierarchical across domains.
+
+    Inside a domain 2(n-1)/n of the message crosses each GPU's NVLink. Across domains NCCL runs one
+    ring per NIC (one NIC per GPU), so after the in-domain reduce-scatter each GPU ships only its
+    1/d slice over the scale-out network: every NIC of the domain works in parallel, and the network
+    sees 2(k-1)/k of the message divided by the d GPUs of a domain (k domains in the group).
+    """
     n = np.asarray(group, dtype=np.float64)
-    wire = 2.0 * (n - 1.0) / np.maximum(n, 1.0) * nbytes
-    t = gpu.collective_latency_s * latency_scale + wire / group_bandwidth(gpu, group)
+    d = np.minimum(n, float(gpu.domain_size))
+    k = np.ceil(n / d)
+    nvlink = 2.0 * (d - 1.0) / np.maximum(d, 1.0) * nbytes / (gpu.nvlink_bw * gpu.link_eff)
+    network = 2.0 * (k - 1.0) / k * nbytes / d / (gpu.scaleout_bw * gpu.link_eff)
+    hops = np.where(k > 1, 2.0, 1.0)  # a cross-domain all-reduce pays the NVLink and the network latency
+    t = hops * gpu.collective_latency_s * latency_scale + nvlink + network
     return np.where(n > 1, t, 0.0)
 
 

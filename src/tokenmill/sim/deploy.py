@@ -15,7 +15,8 @@ from tokenmill.sim.tuning import tuning_for
 
 
 def make_context(model: str, gpu: str, precision: str = "fp8", kv: str | None = None, backend: str | None = None) -> OpContext:
-    return OpContext(get_model(model), get_gpu(gpu), PrecisionPlan.named(precision, kv), tuning_for(backend))
+    m = get_model(model)
+    return OpContext(m, get_gpu(gpu), PrecisionPlan.named(precision, kv, moe=m.is_moe), tuning_for(backend))
 
 
 @dataclass(slots=True, frozen=True)

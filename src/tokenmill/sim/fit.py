@@ -19,13 +19,15 @@ SEARCH_SPACE: tuple[tuple[str, tuple[float, ...]], ...] = (
     ("seq_overhead_s", (0.0, 5e-6, 10e-6, 20e-6, 40e-6, 80e-6)),
     ("compute_scale", (0.4, 0.55, 0.7, 0.85, 1.0, 1.2, 1.4)),
     ("prefill_compute_scale", (0.4, 0.55, 0.7, 0.85, 1.0, 1.2, 1.4, 1.7)),
+    ("moe_compute_scale", (0.25, 0.35, 0.5, 0.7, 1.0)),
     # mem_eff is 0.8 in the catalog, so 1.25 is the HBM datasheet rate: the physical ceiling.
     ("mem_scale", (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)),
     ("latency_scale", (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)),
     ("moe_imbalance", (1.0, 1.2, 1.4, 1.7, 2.0)),
     ("prefill_in_tpot", (0.0, 0.25, 0.5, 0.75, 1.0)),
     ("wave_fraction", (0.0, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)),
-    ("ttft_overhead_s", (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.25)),
+    ("ttft_steps", (0.0, 1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0)),
+    ("ttft_overhead_s", (0.0, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25)),
 )
 
 

@@ -102,7 +102,7 @@ class StepCoefficients:
 def step_coefficients(model: ModelConfig, gpu: GpuSpec, precision: str = "bf16", tuning: Tuning | None = None,
                       max_prefill: int = 512, max_seqs: int = 32, max_ctx: int = 2048) -> StepCoefficients:
     """Least-squares fit (non-negative, by clipping) of the single-GPU step-time model over a grid of steps."""
-    c = OpContext(model, gpu, PrecisionPlan.named(precision), tuning or Tuning())
+    c = OpContext(model, gpu, PrecisionPlan.named(precision, moe=model.is_moe), tuning or Tuning())
     p, s, k = np.meshgrid(np.linspace(0, max_prefill, 5), np.linspace(0, max_seqs, 5), np.linspace(16, max_ctx, 5), indexing="ij")
     p, s, k = p.ravel(), s.ravel(), k.ravel()
     shape = StepShape(prefill_tokens=p, prefill_ctx=np.maximum(p / 2, 1), decode_seqs=s, decode_ctx=k)

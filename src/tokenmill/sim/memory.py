@@ -19,12 +19,12 @@ RESERVE_BYTES = 2 * GB
 def weight_bytes_per_gpu(m: ModelConfig, par: Parallel, plan: PrecisionPlan) -> np.ndarray:
     """Weights one GPU holds; MLA down-projections are replicated, embeddings are vocab-parallel in BF16."""
     p = param_breakdown(m)
-    wb = plan.weights.bytes_per_value
+    wb, ab = plan.weights.bytes_per_value, plan.attention_weights.bytes_per_value
     replicated = m.hidden * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim) if m.is_mla else 0
     attention = replicated + (p.attention_per_layer - replicated) / par.tp
-    per_layer_dense = m.layers * attention + m.mlp_layers * p.dense_mlp_per_layer / par.tp
+    mlp = m.mlp_layers * p.dense_mlp_per_layer / par.tp
     moe = m.moe_layers * (m.experts * p.expert / par.stage_gpus + p.shared_expert_total / par.tp)
-    layers = (per_layer_dense + moe) * wb / par.pp
+    layers = (m.layers * attention * ab + (mlp + moe) * wb) / par.pp
     embeddings = p.embedding * 2.0 / (par.tp * np.minimum(par.pp, 2))
     return layers + embeddings
 

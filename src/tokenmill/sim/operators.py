@@ -49,13 +49,21 @@ class OpContext:
         """The same context with the prefill kernels' efficiency (`tuning.prefill_compute_scale`)."""
         return OpContext(self.model, self.gpu, self.plan, self.tuning.replace(compute_scale=self.tuning.prefill_compute_scale))
 
+    def with_tuning(self, **changes: float | bool) -> "OpContext":
+        return OpContext(self.model, self.gpu, self.plan, self.tuning.replace(**changes))
+
     def kernel_latency(self, kernels: int) -> float:
         return kernels * self.gpu.kernel_latency_s * self.tuning.latency_scale
 
-    def gemm(self, flops: np.ndarray, weight_bytes: np.ndarray, rows: np.ndarray, act_bytes: np.ndarray | float = 0.0) -> np.ndarray:
-        """A weight GEMM: compute at the weight format's rate, reads weights + activations."""
-        peak = self.gpu.peak_flops(self.plan.weights.compute)
-        eff = self.gpu.gemm_efficiency(rows) * self.tuning.compute_scale
+    def gemm(self, flops: np.ndarray, weight_bytes: np.ndarray, rows: np.ndarray, act_bytes: np.ndarray | float = 0.0,
+             scale: float = 1.0, compute: str | None = None) -> np.ndarray:
+        """A weight GEMM: compute at the weight format's rate, reads weights + activations.
+
+        `scale` multiplies the efficiency for kernels that fall short of a dense GEMM's curve;
+        `compute` overrides the weights' compute precision (attention kept out of 4-bit).
+        """
+        peak = self.gpu.peak_flops(compute or self.plan.weights.compute)
+        eff = self.gpu.gemm_efficiency(rows) * self.tuning.compute_scale * scale
         bw = self.gpu.hbm_bw * self.gpu.mem_eff * self.tuning.mem_scale
         return np.maximum(flops / (peak * np.minimum(eff, 1.0)), (weight_bytes + act_bytes) / bw)
 
@@ -74,11 +82,12 @@ def _windowed_ctx(m: ModelConfig, ctx: np.ndarray) -> np.ndarray:
 
 
 def attention_gqa(c: OpContext, par: Parallel, s: StepShape) -> np.ndarray:
-    m, tp, wb = c.model, par.tp, c.plan.weights.bytes_per_value
+    m, tp, fmt = c.model, par.tp, c.plan.attention_weights
+    wb, cp = fmt.bytes_per_value, fmt.compute
     t = s.tokens
     qkv_cols = (m.heads + 2 * m.kv_heads) * m.head_dim
-    proj = c.gemm(2 * t * m.hidden * qkv_cols / tp, m.hidden * qkv_cols * wb / tp, t, t * m.hidden * 2)
-    proj += c.gemm(2 * t * m.heads * m.head_dim * m.hidden / tp, m.heads * m.head_dim * m.hidden * wb / tp, t)
+    proj = c.gemm(2 * t * m.hidden * qkv_cols / tp, m.hidden * qkv_cols * wb / tp, t, t * m.hidden * 2, compute=cp)
+    proj += c.gemm(2 * t * m.heads * m.head_dim * m.hidden / tp, m.heads * m.head_dim * m.hidden * wb / tp, t, compute=cp)
     heads = m.heads / tp
     kv_heads_gpu = np.maximum(m.kv_heads / tp, 1.0)  # KV heads replicate when tp > kv_heads
     pre = c.attention(4 * s.prefill_tokens * _windowed_ctx(m, s.prefill_ctx) * heads * m.head_dim,
@@ -91,15 +100,16 @@ def attention_gqa(c: OpContext, par: Parallel, s: StepShape) -> np.ndarray:
 
 def attention_mla(c: OpContext, par: Parallel, s: StepShape) -> np.ndarray:
     """DeepSeek MLA: naive form for prefill, weight-absorbed form for decode; latent KV replicated over TP."""
-    m, tp, wb = c.model, par.tp, c.plan.weights.bytes_per_value
+    m, tp, fmt = c.model, par.tp, c.plan.attention_weights
+    wb, cp = fmt.bytes_per_value, fmt.compute
     t, d, heads = s.tokens, m.hidden, m.heads / tp
     qk, latent = m.qk_nope_dim + m.qk_rope_dim, m.kv_lora_rank + m.qk_rope_dim
     down = d * (m.q_lora_rank + latent)  # fused q_a + kv_a, replicated on every TP rank
-    proj = c.gemm(2 * t * down, down * wb, t, t * d * 2)
-    proj += c.gemm(2 * t * m.q_lora_rank * heads * qk, m.q_lora_rank * m.heads * qk * wb / tp, t)
+    proj = c.gemm(2 * t * down, down * wb, t, t * d * 2, compute=cp)
+    proj += c.gemm(2 * t * m.q_lora_rank * heads * qk, m.q_lora_rank * m.heads * qk * wb / tp, t, compute=cp)
     kv_b = m.kv_lora_rank * m.heads * (m.qk_nope_dim + m.v_head_dim)
-    proj += c.gemm(2 * t * kv_b / tp, kv_b * wb / tp, t)  # up-projection (prefill) or absorbed W_UK/W_UV (decode)
-    proj += c.gemm(2 * t * m.heads * m.v_head_dim * d / tp, m.heads * m.v_head_dim * d * wb / tp, t)
+    proj += c.gemm(2 * t * kv_b / tp, kv_b * wb / tp, t, compute=cp)  # up-projection (prefill) or absorbed W_UK/W_UV (decode)
+    proj += c.gemm(2 * t * m.heads * m.v_head_dim * d / tp, m.heads * m.v_head_dim * d * wb / tp, t, compute=cp)
     pre = c.attention(2 * s.prefill_tokens * s.prefill_ctx * heads * (qk + m.v_head_dim),
                       s.prefill_tokens * heads * (qk + m.v_head_dim) * 2)
     dec = c.attention(2 * s.decode_seqs * s.tokens_per_seq * s.decode_ctx * heads * (latent + m.kv_lora_rank),
@@ -126,7 +136,9 @@ def moe_block(c: OpContext, par: Parallel, s: StepShape) -> np.ndarray:
     routed_flops = 2 * expert_w * group_tokens * m.top_k * imbalance / par.stage_gpus
     touched = (m.experts / par.ep) * (1.0 - (1.0 - m.top_k / m.experts) ** group_tokens)
     rows = np.maximum(group_tokens * m.top_k / m.experts, 1.0)
-    t = c.gemm(routed_flops, touched * expert_w * wb / par.moe_tp, rows)
+    # Routed experts run as a grouped GEMM behind token permutation (scatter/gather of the rows), which
+    # reaches a smaller share of peak than one dense GEMM of the same rows: `tuning.moe_compute_scale`.
+    t = c.gemm(routed_flops, touched * expert_w * wb / par.moe_tp, rows, scale=c.tuning.moe_compute_scale)
     if m.shared_experts:
         shared_w = expert_w * m.shared_experts
         t = t + c.gemm(2 * s.tokens * shared_w / par.tp, shared_w * wb / par.tp, s.tokens)

@@ -33,16 +33,32 @@ def get_format(name: str) -> Format:
 
 @dataclass(slots=True, frozen=True)
 class PrecisionPlan:
-    """Formats for weights, activations (GEMM inputs) and the KV cache."""
+    """Formats for weights, activations (GEMM inputs), the KV cache and the attention projections."""
 
     weights: Format
     activations: Format
     kv: Format
+    attention: Format | None = None  # attention projection weights; None: same as `weights`
+
+    @property
+    def attention_weights(self) -> Format:
+        return self.attention or self.weights
 
     @classmethod
-    def named(cls, precision: str, kv: str | None = None) -> "PrecisionPlan":
-        """`fp8` -> FP8 weights, activations and KV; `fp4` -> NVFP4 GEMMs with FP8 KV; `bf16` everything."""
+    def named(cls, precision: str, kv: str | None = None, moe: bool = False) -> "PrecisionPlan":
+        """`fp8` -> FP8 weights, activations and KV; `fp4` -> NVFP4 GEMMs with FP8 KV; `bf16` everything.
+
+        4-bit MoE checkpoints quantize the experts only (`moe=True`): NVIDIA's DeepSeek-R1-FP4 keeps
+        the attention modules out of NVFP4 (TensorRT-LLM tech blog 1, precision table: attention bf16),
+        as do gpt-oss (MXFP4 experts) and Kimi-K2 (INT4 experts). The engines then run attention in
+        FP8 alongside an FP8 KV cache (tech blog 3: "FP8 KV cache and FP8 attention"), else BF16.
+        Dense 4-bit checkpoints quantize every linear layer, attention included.
+        """
         weights = get_format(precision)
         acts = weights if weights.name != "int4" else FORMATS["fp8"]
         kv_default = "bf16" if weights.name in ("bf16", "fp16", "fp32") else "fp8"
-        return cls(weights=weights, activations=acts, kv=get_format(kv or kv_default))
+        kv_format = get_format(kv or kv_default)
+        attention = None
+        if moe and weights.bytes_per_value < 1.0:
+            attention = FORMATS["fp8"] if kv_format.bytes_per_value <= 1.0 else FORMATS["bf16"]
+        return cls(weights=weights, activations=acts, kv=kv_format, attention=attention)

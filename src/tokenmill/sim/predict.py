@@ -60,7 +60,7 @@ def predict_rows(rows: Sequence[SiliconRow], tunings: dict[str, Tuning], models:
     for (backend, model, gpu, precision, mode, isl, osl), idx in groups.items():
         m = models.setdefault(model, get_model(model))
         g = gpus.setdefault(gpu, get_gpu(gpu))
-        c = OpContext(m, g, PrecisionPlan.named(precision), tunings.get(backend, tunings.get("default", Tuning())))
+        c = OpContext(m, g, PrecisionPlan.named(precision, moe=m.is_moe), tunings.get(backend, tunings.get("default", Tuning())))
         members = [rows[i] for i in idx]
         fn = _predict_disagg if mode == "disagg" else _predict_agg
         group_ttft, group_tpot = fn(c, Workload(isl, osl), members)

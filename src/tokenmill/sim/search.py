@@ -49,10 +49,26 @@ def _layout_columns(prefix: str, par: Parallel) -> dict[str, np.ndarray]:
 
 
 def search_aggregated(c: OpContext, w: Workload, gpu_budget: int) -> ModePoints:
+    """Every layout x batch; attention-DP layouts also with the engine's ADP balance on (a design choice:
+    it trades TTFT for not waiting on the busiest rank's prefill every step)."""
     par, batch = cross(enumerate_layouts(c.model, gpu_budget), batch_grid())
-    res = aggregated(c, par, w, batch)
-    detail = _layout_columns("", par) | {"batch": batch, "gpus": par.gpus.astype(float)}
-    return ModePoints(res.tps_per_user, res.output_tps_per_gpu, res.ttft, res.tpot, res.fits, detail)
+    res = aggregated(c.with_tuning(adp_balance=False), par, w, batch)
+    detail = _layout_columns("", par) | {"batch": batch, "gpus": par.gpus.astype(float), "adp_balance": np.zeros(batch.size)}
+    points = ModePoints(res.tps_per_user, res.output_tps_per_gpu, res.ttft, res.tpot, res.fits, detail)
+    adp = np.flatnonzero(par.dp > 1)
+    if adp.size == 0:
+        return points
+    bpar = Parallel.of(par.tp[adp], par.pp[adp], par.ep[adp], par.dp[adp])
+    bal = aggregated(c.with_tuning(adp_balance=True), bpar, w, batch[adp])
+    bdetail = _layout_columns("", bpar) | {"batch": batch[adp], "gpus": bpar.gpus.astype(float), "adp_balance": np.ones(adp.size)}
+    balanced = ModePoints(bal.tps_per_user, bal.output_tps_per_gpu, bal.ttft, bal.tpot, bal.fits, bdetail)
+    return _concat(points, balanced)
+
+
+def _concat(a: ModePoints, b: ModePoints) -> ModePoints:
+    cat = np.concatenate
+    return ModePoints(cat([a.tps_user, b.tps_user]), cat([a.tps_gpu, b.tps_gpu]), cat([a.ttft, b.ttft]),
+                      cat([a.tpot, b.tpot]), cat([a.feasible, b.feasible]), {k: cat([a.detail[k], b.detail[k]]) for k in a.detail})
 
 
 def _prefill_shortlist(c: OpContext, w: Workload, gpu_budget: int, same_domain: bool):

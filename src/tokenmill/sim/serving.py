@@ -7,11 +7,14 @@ import numpy as np
 
 from tokenmill.sim.accounting import kv_bytes_per_token
 from tokenmill.sim.memory import max_sequences, memory_per_gpu, weight_bytes_per_gpu, GB
-from tokenmill.sim.operators import OpContext, StepShape
+from tokenmill.sim.operators import OpContext, StepShape, attention_block, dense_mlp
 from tokenmill.sim.parallel import Parallel
 from tokenmill.sim.step_time import step_time
 
 MAX_UTILISATION = 0.99  # queue model stops here; beyond it the capacity bound takes over
+# TensorRT-LLM AttentionDpConfig.batching_wait_iters default: with ADP balance a context request
+# waits up to this many iterations for the other ranks to get one (half of it on average).
+ADP_BALANCE_WAIT_ITERS = 10
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,7 +94,11 @@ def aggregated(c: OpContext, par: Parallel, w: Workload, batch: np.ndarray, max_
     # Steady state: a request finishes every osl/acceptance steps, so its prompt is spread over them.
     step = decode_step(c, par, w, micro) + c.tuning.prefill_in_tpot * _interleaved_prefill(c, par, w, micro)
     tpot = step * resident / live
-    ttft0 = _agg_first_token(c, par, w, per_rank, micro)
+    # The first token also waits out engine iterations it does not compute in (admission at a step
+    # boundary, output processing behind the overlapped next step, streaming): `tuning.ttft_steps`.
+    ttft0 = _agg_first_token(c, par, w, per_rank, micro) + c.tuning.ttft_steps * step
+    if c.tuning.adp_balance:
+        ttft0 = ttft0 + np.where(par.dp > 1, 0.5 * ADP_BALANCE_WAIT_ITERS * step, 0.0)
     life = ttft0 + w.osl * tpot
     ttft = ttft0 + life * np.maximum(batch / np.maximum(mem_cap, 1.0) - 1.0, 0.0)  # Little's law queue when over memory
     tps_gpu = resident * w.osl / life / par.gpus
@@ -107,8 +114,50 @@ def _interleaved_prefill(c: OpContext, par: Parallel, w: Workload, micro: np.nda
     In steady state a request finishes every osl/acceptance steps, so its prompt is spread over them.
     """
     cp = c.for_prefill()
-    tokens = micro * w.isl * w.mtp_acceptance / w.osl
-    return decode_step(cp, par, w, micro, tokens) - decode_step(cp, par, w, micro)
+    rate = micro * w.mtp_acceptance / w.osl  # prompts per step per attention-DP rank
+    mean = decode_step(cp, par, w, micro, rate * w.isl) - decode_step(cp, par, w, micro)
+    if c.tuning.adp_balance:
+        return mean
+    return mean + _busiest_rank_excess(cp, par, w, micro, rate)
+
+
+def _busiest_rank_excess(c: OpContext, par: Parallel, w: Workload, micro: np.ndarray, rate: np.ndarray) -> np.ndarray:
+    """Attention-DP: the per-rank layers (attention, dense MLP) wait for the rank with the most prompt tokens.
+
+    The MoE layers see every rank's tokens, so they cost the mean; attention runs per rank and
+    the step waits for the busiest one (TensorRT-LLM tech blog 10, "ADP Balance Strategy": the
+    iteration time is dominated by the slowest rank; balancing is opt-in).
+    """
+    busiest = busiest_rank_arrivals(rate, par.dp) * w.isl
+    ctx, dctx = np.full(1, w.isl / 2.0), np.full(1, w.isl + w.osl / 2.0)
+
+    def per_rank_layers(tokens: np.ndarray) -> np.ndarray:
+        s = StepShape(np.asarray(tokens, dtype=np.float64), ctx, micro, dctx)
+        dense = dense_mlp(c, par, s) * c.model.mlp_layers if c.model.mlp_layers else 0.0
+        return attention_block(c, par, s) * c.model.layers + dense
+
+    return np.where(par.dp > 1, per_rank_layers(busiest) - per_rank_layers(rate * w.isl), 0.0)
+
+
+def busiest_rank_arrivals(rate: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Expected prompts per step on the busiest of `ranks` attention-DP ranks, each getting Poisson(`rate`).
+
+    Attention-DP ranks step together (their MoE layers are one collective), so a step lasts as long
+    as its busiest rank: a prompt's prefill landing on one rank stalls the others. With one rank this
+    is the mean; with many ranks and rare arrivals it tends to P(any rank has one) = 1 - exp(-rate*ranks).
+    E[max] = sum over k >= 1 of 1 - F(k-1)^ranks, F the Poisson CDF.
+    """
+    lam = np.maximum(np.asarray(rate, dtype=np.float64), 0.0)
+    n = np.asarray(ranks, dtype=np.float64)
+    terms = int(np.ceil(np.max(lam, initial=0.0) + 10.0 * np.sqrt(np.max(lam, initial=0.0)) + 10.0))
+    pmf = np.exp(-lam)  # P(N = 0)
+    cdf = pmf.copy()
+    expected = np.zeros(np.broadcast(lam, n).shape)
+    for k in range(1, terms + 1):
+        expected = expected + 1.0 - cdf ** n  # P(max >= k)
+        pmf = pmf * lam / k
+        cdf = cdf + pmf
+    return np.where(n > 1, expected, lam)
 
 
 def _agg_first_token(c: OpContext, par: Parallel, w: Workload, per_rank: np.ndarray, micro: np.ndarray) -> np.ndarray:

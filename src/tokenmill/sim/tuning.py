@@ -23,20 +23,30 @@ class Tuning:
     # Prefill runs different kernels (large-M GEMMs, FlashAttention forward, chunked-prefill scheduling),
     # so its achieved fraction of the curves is fitted on its own (TTFT), not borrowed from decode (TPOT).
     prefill_compute_scale: float = 1.0
+    # Grouped MoE GEMMs (per-expert row blocks, token permute/unpermute) relative to a dense GEMM's curve.
+    moe_compute_scale: float = 1.0
     mem_scale: float = 1.0  # multiplies achievable HBM bandwidth
     latency_scale: float = 1.0  # multiplies kernel and collective fixed latencies
     moe_imbalance: float = 1.3  # hottest rank's expert load over the mean when EP > 1 (assumption)
     wave_fraction: float = 0.5  # share of concurrent requests whose prefills queue behind each other
     max_prefill_tokens: int = 8192  # per-step token budget for prefill (chunked prefill)
     ttft_overhead_s: float = 0.02  # HTTP, tokenisation, scheduling before the first forward pass
+    # Engine iterations (at the running batch's step time) between arrival and the first streamed token
+    # besides the request's own prefill: waiting for the step in flight to admit it, the output path
+    # running one overlapped step behind, the stream interval. A count, so it scales with step time.
+    ttft_steps: float = 0.0
     prefill_in_tpot: float = 1.0  # share of the interleaved prefill work that shows up in measured TPOT
     # Engine cap on sequences decoded per step per attention-DP rank (CUDA-graph batch, scheduler slots).
     # 384: TensorRT-LLM's DeepSeek-R1 FP4 max-throughput recipe on 8xB200 (--max_batch_size 384 with
     # attention DP, concurrency 3072), "How to get best performance on DeepSeek-R1 in TensorRT-LLM".
     max_batch_per_rank: int = 384
+    # Attention-DP balance (TensorRT-LLM tech blog 10, `attention_dp_config.enable_balance`, off by
+    # default): context requests are held until every rank has one, so mixed steps cost the mean
+    # rank's prefill instead of the busiest rank's, and TTFT pays the wait.
+    adp_balance: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("compute_scale", "prefill_compute_scale", "mem_scale", "latency_scale", "moe_imbalance"):
+        for name in ("compute_scale", "prefill_compute_scale", "moe_compute_scale", "mem_scale", "latency_scale", "moe_imbalance"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"tuning: field {name} must be > 0")
         for name in ("step_overhead_s", "seq_overhead_s"):
@@ -45,16 +55,17 @@ class Tuning:
         for name in ("wave_fraction", "prefill_in_tpot"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"tuning: field {name} must be in [0, 1]")
-        if self.ttft_overhead_s < 0:
-            raise ValueError("tuning: field ttft_overhead_s must be >= 0")
+        for name in ("ttft_overhead_s", "ttft_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"tuning: field {name} must be >= 0")
         for name in ("max_prefill_tokens", "max_batch_per_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"tuning: field {name} must be >= 1")
 
-    def replace(self, **changes: float) -> "Tuning":
+    def replace(self, **changes: float | bool) -> "Tuning":
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, float | bool]:
         return dataclasses.asdict(self)
 
 
