@@ -92,10 +92,12 @@ def stop(server: ServeProcess) -> None:
 def start_serve(serve_flags: Sequence[str], num_workers: int, run_dir: Path, log_path: Path,
                 start_timeout_s: float = 120.0) -> ServeProcess:
     """`tokenmill serve --workers N --host 127.0.0.1 --port P --run-dir DIR *serve_flags`, healthy;
-    the caller must `stop` it."""
+    the caller must `stop` it. With `--prefill P --decode D` among the flags, `num_workers` must be
+    P + D (what registers) and `--workers` is not passed."""
     port = free_port()
+    topology = [] if "--prefill" in serve_flags else ["--workers", str(num_workers)]
     argv = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", *serve_flags,
-            "--workers", str(num_workers), "--host", HOST, "--port", str(port), "--run-dir", str(run_dir)]
+            *topology, "--host", HOST, "--port", str(port), "--run-dir", str(run_dir)]
     log.debug("starting %s", " ".join(argv))
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as server_log:

@@ -13,9 +13,11 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.engine.kv_handoff import ImportPlan
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.request import FINISH_ERROR, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
@@ -24,6 +26,15 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
 _Command = tuple[Callable[[], Any], concurrent.futures.Future]
+
+
+@dataclass(slots=True)
+class KVImport:
+    """The prompt's KV was computed elsewhere: `pull(plan)` copies it into `plan.block_ids` and
+    says whether it arrived intact. It must not return (nor propagate a cancellation) while
+    bytes may still land in those blocks."""
+
+    pull: Callable[[ImportPlan], Awaitable[bool]]
 
 
 class AsyncLLMEngine:
@@ -52,13 +63,19 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        extra_key: str | None = None, output_offset: int = 0,
-                       text_pending: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream the request's deltas; raises ValueError (from validation) before the first."""
+                       text_pending: int = 0, *, prefill_only: bool = False,
+                       kv_import: KVImport | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's deltas; raises ValueError (from validation) before the first.
+        With `kv_import`, `prompt_token_ids` ends with the token the remote prefill sampled."""
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = stream
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, extra_key,
-                                                             output_offset, text_pending))
+            if kv_import is None:
+                await self._call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, extra_key,
+                                                                 output_offset, text_pending, prefill_only))
+            else:
+                await self._import(request_id, prompt_token_ids, params, extra_key, output_offset, text_pending,
+                                   kv_import)
         except asyncio.CancelledError:
             self._streams.pop(request_id, None)
             self._submit(lambda: self.engine.abort(request_id))  # it may have been added before we gave up
@@ -76,6 +93,21 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._submit(lambda: self.engine.abort(request_id))
+
+    async def _import(self, request_id: str, token_ids: list[int], params: SamplingParams, extra_key: str | None,
+                      output_offset: int, text_pending: int, kv_import: KVImport) -> None:
+        plan = await self._call(lambda: self.engine.begin_import(request_id, token_ids, params, extra_key,
+                                                                 output_offset, text_pending))
+        if plan is None:
+            return  # no room for the blocks now: queued to be prefilled here
+        ok = False
+        try:
+            ok = await kv_import.pull(plan) if plan.block_ids else True
+        finally:  # also when cancelled: the caller's abort then finds the request scheduled
+            await asyncio.shield(self._call(lambda: self.engine.finish_import(request_id, ok)))
+
+    async def release_held(self, request_id: str) -> bool:
+        return bool(await self._call(lambda: self.engine.release_held(request_id)))
 
     async def abort(self, request_id: str) -> bool:
         return bool(await self._call(lambda: self.engine.abort(request_id)))

@@ -14,12 +14,13 @@ from typing import Any
 import torch
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.kv_handoff import ImportPlan, KVHandoff
 from tokenmill.engine.kv_tiers_wiring import attach_tiers
 from tokenmill.engine.mock_runner import MockRunner
 from tokenmill.engine.model_config import ModelConfig, load_model_config
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.request import FINISH_STOP, Request, RequestOutput
-from tokenmill.engine.runner import ModelRunner, Sampled, TorchModelRunner
+from tokenmill.engine.request import FINISH_HANDOFF, FINISH_STOP, Request, RequestOutput
+from tokenmill.engine.runner import KVAllocator, ModelRunner, Sampled, TorchModelRunner
 from tokenmill.engine.sampling import SamplingParams, TokenLogprob
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.tokenizer import Tokenizer
@@ -48,12 +49,15 @@ class EngineStats:
     prefill_blocks: int  # uncached blocks of requests still before their first token (waiting included)
     decode_blocks: int  # blocks generating requests hold beyond their prefix hits
     onboarded_tokens: int = 0  # prompt tokens loaded from KV tiers instead of computed
+    num_held: int = 0  # prefill-only requests holding KV for a decode worker
+    num_importing: int = 0  # requests waiting for their prompt KV to arrive
     tier_stats: dict[str, Any] = field(default_factory=dict)  # TieredKVManager.stats(); {} without tiers
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, events: KVEventEmitter | None = None,
-                 tokenizer: Tokenizer | None = None, load_tokenizer: bool = True) -> None:
+                 tokenizer: Tokenizer | None = None, load_tokenizer: bool = True,
+                 kv_allocator: KVAllocator | None = None) -> None:
         self.config = config
         self.model_config: ModelConfig = load_model_config(config.model)
         if config.threads is not None:
@@ -67,7 +71,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(num_blocks)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer, eos, self.max_model_len)
-        self.runner: ModelRunner = self._make_runner(num_blocks)
+        self.runner: ModelRunner = self._make_runner(num_blocks, kv_allocator)
+        self.handoff = KVHandoff(self.scheduler, self.kv)
         self.tiers = attach_tiers(self) if config.kv_tiers_enabled else None
         self.requests: dict[str, Request] = {}
         self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0)
@@ -84,7 +89,7 @@ class LLMEngine:
             limit = self.config.max_model_len
         return limit
 
-    def _make_runner(self, num_blocks: int) -> ModelRunner:
+    def _make_runner(self, num_blocks: int, kv_allocator: KVAllocator | None) -> ModelRunner:
         cfg = self.model_config
         if self.config.runner == "mock":
             specials = self.tokenizer.special_token_ids if self.tokenizer else frozenset()
@@ -93,15 +98,50 @@ class LLMEngine:
 
         dtype = self.config.torch_dtype(cfg)
         model = load_model(self.config.model, cfg, dtype, self.max_model_len)
-        return TorchModelRunner(model, cfg, num_blocks, self.config.block_size, dtype, self.config.seed)
+        return TorchModelRunner(model, cfg, num_blocks, self.config.block_size, dtype, self.config.seed,
+                                kv_allocator)
 
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    extra_key: str | None = None, output_offset: int = 0, text_pending: int = 0) -> None:
+                    extra_key: str | None = None, output_offset: int = 0, text_pending: int = 0,
+                    prefill_only: bool = False) -> None:
         """Queue a request. `output_offset` continues a migrated request: its prompt already
         ends with that many generated tokens, and seeded sampling resumes at that index;
-        `text_pending` of them still owe the client their text."""
+        `text_pending` of them still owe the client their text. A `prefill_only` request ends
+        after its first token with FINISH_HANDOFF and holds its KV until `release_held`."""
+        request = self._new_request(request_id, prompt_token_ids, params, extra_key, output_offset, text_pending)
+        request.prefill_only = prefill_only
+        self.scheduler.add(request)
+
+    def begin_import(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                     extra_key: str | None = None, output_offset: int = 1, text_pending: int = 0,
+                     ) -> ImportPlan | None:
+        """Admit a request whose KV for every position but the last was computed elsewhere
+        (`token_ids` = prompt + the sampled first token, `output_offset` >= 1). Returns where the
+        remote blocks must be copied, then `finish_import`; or None when the pool is full, and
+        the request is simply queued to be prefilled here."""
+        if output_offset < 1:
+            raise ValueError("an imported request continues after the token its prefill sampled")
+        request = self._new_request(request_id, token_ids, params, extra_key, output_offset, text_pending)
+        plan = self.handoff.begin_import(request)
+        if plan is None:
+            self.scheduler.add(request)
+        return plan
+
+    def finish_import(self, request_id: str, ok: bool) -> bool:
+        """The KV of a `begin_import` arrived intact (decode next) or did not (recompute here)."""
+        return self.handoff.finish_import(request_id, ok)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the KV a prefill-only request held; False when it holds none."""
+        if not self.handoff.release(request_id):
+            return False
+        self.requests.pop(request_id, None)
+        return True
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     extra_key: str | None, output_offset: int, text_pending: int) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
         if request_id in self.requests:
@@ -113,7 +153,7 @@ class LLMEngine:
                           min(max(text_pending, 0), output_offset))
         self.requests[request_id] = request
         self.output.add(request)
-        self.scheduler.add(request)
+        return request
 
     def _validate_prompt(self, prompt: list[int]) -> None:
         if not isinstance(prompt, (list, tuple)) or not prompt:
@@ -129,7 +169,8 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        self.scheduler.abort(request)
+        if not self.handoff.abort(request_id):
+            self.scheduler.abort(request)
         self.output.remove(request_id)
         return True
 
@@ -192,6 +233,8 @@ class LLMEngine:
             stop = (FINISH_STOP, None)
             request.stop_reason = matched
         pending = self.output.pending_tokens(request.request_id)
+        if stop is None and request.prefill_only:
+            return self._hand_off(request, token, text, logprob, pending)
         if stop is not None:
             reason, stop_token = stop
             if stop_token is not None:
@@ -203,6 +246,18 @@ class LLMEngine:
             request.request_id, [token], text, request.is_finished, request.finish_reason,
             request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
             [logprob] if logprob is not None else [], request.stop_reason, pending,
+        )
+
+    def _hand_off(self, request: Request, token: int, text: str, logprob: TokenLogprob | None,
+                  pending: int) -> RequestOutput:
+        """End a prefill-only request after its first token, keeping its blocks held."""
+        self.scheduler.finish(request, FINISH_HANDOFF, free_kv=False)
+        self.output.remove(request.request_id)
+        blocks = self.handoff.hold(request.request_id)
+        return RequestOutput(
+            request.request_id, [token], text, True, FINISH_HANDOFF, request.num_prompt_tokens,
+            len(request.output_token_ids), request.num_cached_tokens,
+            [logprob] if logprob is not None else [], None, pending, blocks,
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -241,5 +296,6 @@ class LLMEngine:
             num_decode_only_steps=c["decode_steps"], num_preemptions=c["preemptions"],
             prefill_blocks=prefill_blocks, decode_blocks=decode_blocks,
             onboarded_tokens=self.kv.stats.onboarded_tokens,
+            num_held=len(self.handoff.held), num_importing=len(self.handoff.importing),
             tier_stats=self.tiers.stats() if self.tiers is not None else {},
         )

@@ -16,6 +16,9 @@ class RequestStatus(enum.Enum):
 
 # Why a stream ended (the wire protocol's final-frame reasons).
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
+# A prefill-only request ended after its first token and holds its KV for a decode worker
+# (between worker and frontend only: a client never sees it).
+FINISH_HANDOFF = "handoff"
 
 
 @dataclass(slots=True, eq=False)  # an entity: compared by identity, never field by field
@@ -37,6 +40,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     admitted: bool = False
+    prefill_only: bool = False  # stop after the first token and hold the KV (disaggregated prefill)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -75,3 +79,4 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_reason: str | int | None = None
     text_pending_tokens: int = 0  # trailing tokens whose text is held back (an incomplete character)
+    held_block_ids: list[int] = field(default_factory=list)  # FINISH_HANDOFF: the prompt's KV blocks

@@ -5,6 +5,7 @@ differs. `TorchModelRunner` runs the real model on the paged KV cache.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -19,6 +20,8 @@ from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.kv.cache_manager import KVCacheManager
 
 Sampled = dict[str, tuple[int, TokenLogprob | None]]
+# (shape, dtype) -> zero-filled tensor: lets a worker put the KV pool in shared memory
+KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 class ModelRunner(Protocol):
@@ -29,11 +32,15 @@ class ModelRunner(Protocol):
 
 class TorchModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, seed: int = 0) -> None:
+                 dtype: torch.dtype, seed: int = 0, kv_allocator: KVAllocator | None = None) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv_cache = allocate_kv_cache(cfg.num_layers, num_blocks, block_size,
-                                          cfg.num_kv_heads, cfg.head_dim, dtype)
+        if kv_allocator is None:
+            self.kv_cache = allocate_kv_cache(cfg.num_layers, num_blocks, block_size,
+                                              cfg.num_kv_heads, cfg.head_dim, dtype)
+        else:
+            shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            self.kv_cache = kv_allocator(shape, dtype)
         self.generator = torch.Generator().manual_seed(seed)
         self.native_decode = dtype in (torch.float32, torch.bfloat16) and cfg.head_dim <= kernels.MAX_HEAD_DIM \
             and kernels.available()

@@ -36,7 +36,9 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+        # a continued request's prompt ends with tokens generated elsewhere: past the client's prompt
+        client_prompt = self.request.num_prompt_tokens - self.request.output_offset
+        return self.num_tokens == 1 and self.start >= client_prompt
 
 
 @dataclass(slots=True)
@@ -73,14 +75,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, request: Request, reason: str) -> None:
-        """End a request in any state and release its blocks."""
+    def finish(self, request: Request, reason: str, free_kv: bool = True) -> None:
+        """End a request in any state and release its blocks (unless the caller keeps them)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
-        self.kv.free(request.request_id)
+        if free_kv:
+            self.kv.free(request.request_id)
 
     def abort(self, request: Request) -> None:
         self.finish(request, FINISH_ABORT)

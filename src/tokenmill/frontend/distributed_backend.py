@@ -1,10 +1,16 @@
-"""The frontend's request orchestration over worker processes (aggregated serving).
+"""The frontend's request orchestration over worker processes.
 
 A request goes to a worker and its token frames are streamed back. If the worker
 dies mid-stream, the request is re-issued to another worker with the prompt plus
 the tokens generated so far (and the remaining budget), so the client sees one
 unbroken stream; after `max_migrations` it ends with an error. Every request has a
 deadline; closing the stream early aborts it on the worker, freeing its KV.
+
+With prefill workers in the pool (disaggregated serving), the decode worker is chosen
+first; `DisaggPolicy` then decides whether the prompt is prefilled remotely
+(`frontend/prefill.py`: the first token streams to the client as soon as it exists, and
+the decode worker is sent the request with the KV transfer handle) or on the decode
+worker itself, exactly as in aggregated serving.
 """
 from __future__ import annotations
 
@@ -23,7 +29,9 @@ from tokenmill.engine.request import FINISH_ABORT, FINISH_ERROR, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.backend import BackendUnavailable, Overloaded
+from tokenmill.frontend.disagg import REMOTE, DisaggConfig, DisaggPolicy
 from tokenmill.frontend.metrics import tier_gauges
+from tokenmill.frontend.prefill import RemotePrefill
 from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool
 from tokenmill.kv.hashing import block_hashes
 from tokenmill.router.decision import RoutingRequest
@@ -43,12 +51,17 @@ class _Progress:
     text_pending: int = 0  # trailing generated tokens whose text the client has not received
     migrations: int = 0
     finished: bool = False
+    cached_tokens_at_decode: int = 0  # the chosen decode worker's prefix hit, per its router
+    kv_handle: dict[str, Any] | None = None  # from a remote prefill, for the next decode attempt
 
 
 class DistributedBackend:
     def __init__(self, pool: WorkerPool, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 max_migrations: int = 3, default_timeout_s: float = 600.0) -> None:
+                 max_migrations: int = 3, default_timeout_s: float = 600.0,
+                 disagg: DisaggConfig | None = None) -> None:
         self.pool = pool
+        self.disagg = DisaggPolicy(disagg or DisaggConfig())
+        self.prefill = RemotePrefill(pool, self.disagg)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -63,15 +76,16 @@ class DistributedBackend:
         await self.pool.stop()
 
     def healthy(self) -> bool:
-        return bool(self.pool.connections)
+        return bool(self.pool.in_pool(prefill=False))
 
     def metrics_snapshot(self) -> dict[str, float]:
         snap: dict[str, float] = {"tokenmill_workers": float(len(self.pool.connections)),
                                   "tokenmill_request_migrations_total": float(self.migrations_total),
-                                  **self.pool.router.metrics_snapshot()}
+                                  **self.pool.router.metrics_snapshot(), **self.disagg.metrics_snapshot()}
         for conn in self.pool.connections.values():
             for key in ("kv_usage", "prefix_hit_rate", "num_waiting", "num_running", "prefill_tokens",
-                        "onboarded_tokens"):
+                        "onboarded_tokens", "num_held", "num_importing", "kv_handles", "kv_pulls",
+                        "kv_pull_failures", "kv_transfer_bytes", "kv_transfer_seconds"):
                 if key in conn.load:
                     snap[f'tokenmill_worker_{key}{{worker="{conn.worker_id}"}}'] = float(conn.load[key])
             snap.update(tier_gauges(conn.worker_id, conn.load))
@@ -97,26 +111,47 @@ class DistributedBackend:
         progress = _Progress(list(prompt_token_ids), params)
         deadline = deadline or time.monotonic() + self.default_timeout_s
         excluded: set[str] = set()
-        while not progress.finished:
-            conn = self._pick(request_id, progress, excluded) if progress.migrations <= self.max_migrations else None
-            if conn is None:
-                yield self._final(request_id, progress, FINISH_ERROR)
-                return
-            try:
-                async for out in self._attempt(conn, request_id, progress, deadline, excluded):
-                    yield out
-            finally:
-                self.pool.router.on_finished(request_id)
+        try:
+            while not progress.finished:
+                conn = self._pick(request_id, progress, excluded) if progress.migrations <= self.max_migrations else None
+                if conn is None:
+                    yield self._final(request_id, progress, FINISH_ERROR)
+                    return
+                try:
+                    if self._wants_remote_prefill(progress):
+                        async for out in self.prefill.run(request_id, progress, deadline):
+                            self.pool.router.on_first_token(request_id)
+                            yield self._account(out, progress)
+                    if not progress.finished:
+                        async for out in self._attempt(conn, request_id, progress, deadline, excluded):
+                            yield out
+                finally:
+                    self.pool.router.on_finished(request_id)
+        finally:
+            if progress.kv_handle is not None:  # never handed to a decode worker: free it now
+                self.prefill.discard(request_id)
+
+    def _wants_remote_prefill(self, progress: _Progress) -> bool:
+        """Only a fresh request, and only when the policy sends its prompt to the prefill pool."""
+        if progress.generated or progress.migrations:
+            return False
+        queues = self.prefill.queues()
+        if not queues and not self.prefill.deployed:
+            return False  # an aggregated deployment: nothing to decide, nothing to count
+        choice = self.disagg.decide(len(progress.prompt), progress.cached_tokens_at_decode, queues)
+        return choice.decision == REMOTE
 
     def _pick(self, request_id: str, progress: _Progress, excluded: set[str]) -> WorkerConnection | None:
         """The router's choice among live workers not yet tried; errors only before any output."""
-        candidates = [w for w in self.pool.connections if w not in excluded]
+        candidates = [w for w in self.pool.in_pool(prefill=False) if w not in excluded]
         if candidates:
             tokens = progress.prompt + progress.generated
             block_size, seed = self._hashing()
             request = RoutingRequest(request_id, block_hashes(tokens, block_size, seed), len(tokens))
             try:
-                return self.pool.connections[self.pool.router.select(request, candidates).worker]
+                decision = self.pool.router.select(request, candidates)
+                progress.cached_tokens_at_decode = decision.overlap_blocks * block_size
+                return self.pool.connections[decision.worker]
             except NoWorkerAvailable:
                 pass
         if progress.generated or progress.migrations:
@@ -168,9 +203,12 @@ class DistributedBackend:
     def _generate_message(self, request_id: str, progress: _Progress, deadline: float) -> dict:
         remaining = dataclasses.replace(progress.params,
                                         max_tokens=progress.params.max_tokens - len(progress.generated))
+        handle, progress.kv_handle = progress.kv_handle, None  # one decode attempt may use it
+        if handle is not None:
+            self.prefill.handed_over(request_id)
         return p.generate_message(request_id, progress.prompt + progress.generated, remaining, None,
                                   len(progress.generated), max(0.0, deadline - time.monotonic()),
-                                  progress.text_pending)
+                                  progress.text_pending, kv_handle=handle)
 
     @staticmethod
     async def _next(queue: asyncio.Queue, deadline: float) -> dict | None:

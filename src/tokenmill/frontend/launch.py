@@ -21,12 +21,26 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
                         help="how requests are routed to workers (default: kv with several workers)")
     parser.add_argument("--router-temperature", type=float, default=0.0,
                         help="> 0 samples workers with softmax over normalised costs")
+    parser.add_argument("--disagg-threshold", type=int, default=256,
+                        help="with prefill workers: prompts with fewer uncached tokens are prefilled "
+                             "on the decode worker (0: always remote)")
+    parser.add_argument("--prefill-queue-limit", type=int, default=8,
+                        help="with prefill workers: prefill locally while every prefill worker has "
+                             "this many prefills in flight")
 
 
 def router_policy(args: argparse.Namespace) -> str:
     if args.router is not None:
         return args.router
-    return "kv" if getattr(args, "workers", 2) > 1 else "least-loaded"
+    # disaggregated: the decode pool's router also tells how much of a prompt a worker caches
+    disaggregated = getattr(args, "prefill", 0) > 0
+    return "kv" if disaggregated or getattr(args, "workers", 2) > 1 else "least-loaded"
+
+
+def disagg_config(args: argparse.Namespace):
+    from tokenmill.frontend.disagg import DisaggConfig
+
+    return DisaggConfig(threshold_tokens=args.disagg_threshold, queue_limit=args.prefill_queue_limit)
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -43,10 +57,14 @@ def make_backend(args: argparse.Namespace, discovery):
 
     config = load_model_config(args.model)
     limit = args.max_model_len or config.max_position_embeddings
-    router = Router(RouterConfig(policy=router_policy(args), block_size=getattr(args, "block_size", 16),
-                                 cost=CostConfig(temperature=args.router_temperature)))
-    return DistributedBackend(WorkerPool(discovery, router), Tokenizer(args.model), model_name(args), limit,
-                              default_timeout_s=args.request_timeout_s)
+    def router(policy: str) -> Router:
+        return Router(RouterConfig(policy=policy, block_size=getattr(args, "block_size", 16),
+                                   cost=CostConfig(temperature=args.router_temperature)))
+
+    # the prefill pool is always routed by KV overlap: that is where prompts are computed
+    pool = WorkerPool(discovery, router(router_policy(args)), prefill_router=router("kv"))
+    return DistributedBackend(pool, Tokenizer(args.model), model_name(args), limit,
+                              default_timeout_s=args.request_timeout_s, disagg=disagg_config(args))
 
 
 async def run_http(args: argparse.Namespace, backend) -> None:

@@ -1,4 +1,5 @@
-"""`tokenmill serve`: one HTTP frontend and N supervised worker processes on this host."""
+"""`tokenmill serve`: one HTTP frontend and supervised worker processes on this host:
+`--workers N` aggregated workers, or `--prefill P --decode D` disaggregated ones."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tokenmill.frontend.launch import add_frontend_flags, make_backend, model_name, router_policy, run_http
+from tokenmill.transfer.memory import remove_shared_files_of
+from tokenmill.frontend.launch import (add_frontend_flags, disagg_config, make_backend, model_name, router_policy,
+                                      run_http)
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_engine_arguments(parser)
     parser.add_argument("--workers", type=int, default=1, help="aggregated worker processes")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="disaggregated: prefill worker processes (with --decode; replaces --workers)")
+    parser.add_argument("--decode", type=int, default=0, help="disaggregated: decode worker processes")
+    parser.add_argument("--kv-transfer-backends", default="shm,tcp",
+                        help="disaggregated: KV transfer backends in order of preference")
+    parser.add_argument("--transfer-faults", default=None,
+                        help="disaggregated drills: inject KV-pull faults on decode workers (corrupt,drop,delay=S)")
     add_frontend_flags(parser)
     parser.add_argument("--max-queue", type=int, default=None,
                         help="requests a worker may hold waiting beyond a full batch before 429")
@@ -32,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine_config_from_args(args)  # flag errors here, not in N workers
-        if args.workers < 1:
-            raise ValueError("--workers must be at least 1")
+        _check_topology(args)
+        disagg_config(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -54,9 +64,9 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
 
     registry = run_dir / "registry"
     discovery = FileDiscovery(registry)
-    specs = [ChildSpec(f"worker-{i}", _worker_argv(args, i, run_dir, engine_args)) for i in range(args.workers)]
+    specs = [ChildSpec(name, _worker_argv(args, name, role, run_dir, engine_args)) for name, role in _workers(args)]
     backend = make_backend(args, discovery)
-    supervisor = Supervisor(specs, on_exit=lambda name: _worker_died(backend, discovery, name))
+    supervisor = Supervisor(specs, on_exit=lambda name: _worker_died(backend, discovery, name, supervisor.pid(name)))
     supervisor.start()
     watcher = asyncio.create_task(supervisor.watch())
     try:
@@ -64,24 +74,48 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
     finally:
         watcher.cancel()
         supervisor.stop()
+        for name in list(supervisor.children):
+            remove_shared_files_of(supervisor.pid(name))  # of workers that had to be killed
     return 0
 
 
-def _worker_argv(args: argparse.Namespace, index: int, run_dir: Path, engine_args: list[str]) -> list[str]:
-    name = f"worker-{index}"
+def _check_topology(args: argparse.Namespace) -> None:
+    if args.prefill or args.decode:
+        if args.prefill < 1 or args.decode < 1:
+            raise ValueError("--prefill and --decode go together, each at least 1")
+        if args.workers != 1:
+            raise ValueError("--workers is for aggregated serving; use --prefill and --decode instead")
+    elif args.workers < 1:
+        raise ValueError("--workers must be at least 1")
+
+
+def _workers(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(name, role) of every worker process."""
+    if not args.prefill:
+        return [(f"worker-{i}", "agg") for i in range(args.workers)]
+    return ([(f"prefill-{i}", "prefill") for i in range(args.prefill)]
+            + [(f"decode-{i}", "decode") for i in range(args.decode)])
+
+
+def _worker_argv(args: argparse.Namespace, name: str, role: str, run_dir: Path, engine_args: list[str]) -> list[str]:
     argv = [sys.executable, "-m", "tokenmill.cli", "--log-level", args.log_level, "worker", *engine_args,
             "--worker-id", name, "--address", f"ipc://{run_dir}/{name}.sock",
             "--discovery", f"file:{run_dir / 'registry'}", "--parent-pid", str(os.getpid()),
             "--served-model-name", model_name(args)]
-    if router_policy(args) == "kv":  # only the KV router consumes events
+    if router_policy(args) == "kv" or role == "prefill":  # only KV routers consume events
         argv += ["--events-address", f"ipc://{run_dir}/{name}-events.sock"]
     if args.max_queue is not None:
         argv += ["--max-queue", str(args.max_queue)]
+    if role != "agg":
+        argv += ["--role", role, "--kv-transfer-backends", args.kv_transfer_backends]
+    if role == "decode" and args.transfer_faults:
+        argv += ["--transfer-faults", args.transfer_faults]
     return argv
 
 
-def _worker_died(backend, discovery, name: str) -> None:
+def _worker_died(backend, discovery, name: str, pid: int) -> None:
     discovery.unregister(name)
     backend.pool.drop(name, "process exited")
+    remove_shared_files_of(pid)  # its KV pool, if it was killed before it could unlink it
 
 

@@ -6,6 +6,10 @@ tokens) has arrived from it for `heartbeat_timeout_s`; every stream still open o
 it then receives a `LOST` marker, so the request can be migrated. Workers that
 publish KV events get a SUB socket too: events go to the router's index, and a
 gap in event ids triggers a snapshot request answered on the DEALER socket.
+
+Disaggregated deployments hold two routers: prefill workers (role "prefill") join
+`prefill_router`, every other worker joins `router`; each worker's events and load feed the
+router of its own pool.
 """
 from __future__ import annotations
 
@@ -112,9 +116,10 @@ class WorkerConnection:
 
 class WorkerPool:
     def __init__(self, discovery: Discovery, router: Router, heartbeat_timeout_s: float = 1.5,
-                 poll_s: float = 0.2) -> None:
+                 poll_s: float = 0.2, prefill_router: Router | None = None) -> None:
         self.discovery = discovery
         self.router = router
+        self.prefill_router = prefill_router or Router(router.config)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.poll_s = poll_s
         self.ctx = zmq.asyncio.Context.instance()
@@ -132,9 +137,17 @@ class WorkerPool:
             conn.close()
         self.connections.clear()
 
+    def router_for(self, role: str) -> Router:
+        return self.prefill_router if role == "prefill" else self.router
+
+    def in_pool(self, prefill: bool) -> list[str]:
+        """Live workers of the prefill pool, or of the decode/aggregated pool."""
+        return [w for w, c in self.connections.items() if (c.info.role == "prefill") == prefill]
+
     def drop(self, worker_id: str, reason: str) -> None:
         conn = self.connections.pop(worker_id, None)
         self.router.remove_worker(worker_id)
+        self.prefill_router.remove_worker(worker_id)
         if conn is not None:
             log.warning("worker %s left (%s); %d requests to migrate", worker_id, reason, len(conn.streams))
             conn.close()
@@ -152,8 +165,9 @@ class WorkerPool:
         for worker_id, info in live.items():
             if worker_id not in self.connections:
                 log.info("worker %s joined at %s", worker_id, info.address)
-                self.router.add_worker(worker_id)
-                self.connections[worker_id] = WorkerConnection(info, self.ctx, self.router)
+                router = self.router_for(info.role)
+                router.add_worker(worker_id)
+                self.connections[worker_id] = WorkerConnection(info, self.ctx, router)
 
     async def _poll(self) -> None:
         while True:

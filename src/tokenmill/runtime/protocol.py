@@ -7,6 +7,11 @@ A token stream ends with a frame whose `finish_reason` says why
 frontend -> worker: hello, generate, abort, kv_snapshot
 worker -> frontend: tokens, error, heartbeat, kv_snapshot (the reply)
 worker -> routers (PUB socket): kv_events
+
+Disaggregated serving adds two fields: a `generate` with `prefill_only` is answered by one
+`tokens` frame with finish_reason "handoff" carrying `kv_handle` (where the prompt's KV can be
+pulled from, DESIGN.md "KV transfer handle"); a `generate` with `kv_handle` continues such a
+request on a decode worker, whose prompt then ends with the first token.
 """
 from __future__ import annotations
 
@@ -47,10 +52,12 @@ def unpack(frame: bytes) -> dict[str, Any]:
 
 def generate_message(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      extra_key: str | None, output_offset: int, timeout_s: float | None,
-                     text_pending: int = 0) -> dict[str, Any]:
+                     text_pending: int = 0, prefill_only: bool = False,
+                     kv_handle: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"type": GENERATE, "request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
             "params": dataclasses.asdict(params), "extra_key": extra_key,
-            "output_offset": output_offset, "text_pending": text_pending, "timeout_s": timeout_s}
+            "output_offset": output_offset, "text_pending": text_pending, "timeout_s": timeout_s,
+            "prefill_only": prefill_only, "kv_handle": kv_handle}
 
 
 def params_from_wire(raw: Any) -> SamplingParams:
@@ -67,8 +74,8 @@ def params_from_wire(raw: Any) -> SamplingParams:
         raise ValueError(str(exc)) from exc
 
 
-def tokens_message(out: RequestOutput) -> dict[str, Any]:
-    return {"type": TOKENS, "request_id": out.request_id, "token_ids": out.new_token_ids,
+def tokens_message(out: RequestOutput, kv_handle: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"kv_handle": kv_handle, "type": TOKENS, "request_id": out.request_id, "token_ids": out.new_token_ids,
             "text": out.new_text, "finished": out.finished, "finish_reason": out.finish_reason,
             "num_prompt_tokens": out.num_prompt_tokens, "num_output_tokens": out.num_output_tokens,
             "num_cached_tokens": out.num_cached_tokens, "stop_reason": out.stop_reason,

@@ -104,7 +104,7 @@ class SharedBuffer:
             elif os.fstat(fd).st_size < length:
                 raise ValueError(f"shared memory {shm_name!r} holds {os.fstat(fd).st_size} bytes, "
                                  f"the peer announced {length}")
-            # attachers pre-fault the mapping once here, not inside the first transfer
+            # populate pre-faults the whole mapping (and allocates every page of a sparse file)
             extra = mmap.MAP_POPULATE if populate and hasattr(mmap, "MAP_POPULATE") else 0
             self._mmap: mmap.mmap | None = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | extra)
         finally:
@@ -115,11 +115,13 @@ class SharedBuffer:
 
     @classmethod
     def create(cls, length: int, shm_name: str | None = None) -> SharedBuffer:
-        return cls(shm_name or f"{SHM_PREFIX}{uuid.uuid4().hex[:16]}", length, owner=True)
+        return cls(shm_name or private_shm_name(), length, owner=True)
 
     @classmethod
-    def attach(cls, shm_name: str, length: int) -> SharedBuffer:
-        return cls(shm_name, length, owner=False, populate=True)
+    def attach(cls, shm_name: str, length: int, populate: bool = False) -> SharedBuffer:
+        """Map a peer's buffer. Lazily by default: a KV pool is mostly untouched, and a
+        populated mapping would allocate all of it (and block the event loop doing so)."""
+        return cls(shm_name, length, owner=False, populate=populate)
 
     def close(self) -> None:
         """Unmap (when no view is still exported) and, for the creator, unlink the file."""
@@ -178,6 +180,22 @@ def allocate_shared_tensor(shape: tuple[int, ...], dtype: torch.dtype, shm_name:
     # unmapped under a live tensor (close() then leaves the unmap to the last view)
     flat = torch.from_numpy(np.frombuffer(shared.view, dtype=np.uint8))  # a new file reads as zeros
     return SharedTensor(flat.view(dtype).view(shape), shared)
+
+
+def private_shm_name(suffix: str = "") -> str:
+    """A fresh shared-memory file name carrying this process's pid, so whoever outlives a
+    killed process can remove what it left (`remove_shared_files_of`)."""
+    return f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}{suffix}"
+
+
+def remove_shared_files_of(pid: int) -> int:
+    """Unlink the shared-memory files a dead process created (a SIGKILL skips its finalizers);
+    returns how many. Peers that still map one keep their mapping until they unmap it."""
+    removed = 0
+    for path in SHM_DIR.glob(f"{SHM_PREFIX}{pid}-*"):
+        _unlink_quietly(path)
+        removed += 1
+    return removed
 
 
 def shm_domain() -> str:

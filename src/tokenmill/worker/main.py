@@ -25,6 +25,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
     parser.add_argument("--events-address", default=None,
                         help="publish KV events here (ipc:// or tcp://host:0); default: not published")
+    parser.add_argument("--role", default="agg", choices=("agg", "prefill", "decode"),
+                        help="agg: prefill and decode; prefill/decode: disaggregated, with KV transfer")
+    parser.add_argument("--kv-transfer-backends", default="shm,tcp",
+                        help="KV transfer backends in order of preference (shm: same host, tcp: any)")
+    parser.add_argument("--kv-hold-timeout-s", type=float, default=30.0,
+                        help="prefill: free a handed-off prompt's KV if no decode worker acknowledges in time")
+    parser.add_argument("--kv-pull-timeout-s", type=float, default=10.0,
+                        help="decode: give up a KV pull after this long and recompute the prompt")
+    parser.add_argument("--transfer-faults", default=None,
+                        help="inject KV-pull faults for drills: corrupt,drop,delay=SECONDS")
+    parser.add_argument("--drain-timeout-s", type=float, default=10.0,
+                        help="on SIGTERM: how long prefill requests and held KV may finish")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,21 +46,40 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.runtime.discovery import discovery_from_url
     from tokenmill.worker.server import WorkerServer, WorkerSettings
 
+    name = args.served_model_name or args.model
     try:
         config = engine_config_from_args(args, args.worker_id)
         discovery = discovery_from_url(args.discovery)
-        engine = AsyncLLMEngine(LLMEngine(config))
+        settings = WorkerSettings(args.worker_id, args.address, name, role=args.role, max_queue=args.max_queue,
+                                  parent_pid=args.parent_pid, events_address=args.events_address,
+                                  drain_timeout_s=args.drain_timeout_s)
+        transfer = _transfer_service(args)
+        engine = AsyncLLMEngine(LLMEngine(config, kv_allocator=transfer.allocate if transfer else None))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    name = args.served_model_name or args.model
-    server = WorkerServer(engine, WorkerSettings(args.worker_id, args.address, name, max_queue=args.max_queue,
-                                                   parent_pid=args.parent_pid, events_address=args.events_address),
-                          discovery)
+    server = WorkerServer(engine, settings, discovery, transfer)
     address = server.bind()
     log.info("worker %s serving %s on %s", args.worker_id, name, address)
     asyncio.run(_serve(server))
     return 0
+
+
+def _transfer_service(args: argparse.Namespace):
+    """Prefill and decode workers move KV; an agg worker has no use for an agent."""
+    from tokenmill.worker.kv_transfer import KVTransferService, TransferFaults
+
+    if args.role == "agg":
+        return None
+    backends = [b.strip() for b in args.kv_transfer_backends.split(",") if b.strip()]
+    unknown = set(backends) - {"shm", "tcp"}
+    if not backends or unknown:
+        raise ValueError(f"--kv-transfer-backends: choose from shm, tcp (got {args.kv_transfer_backends!r})")
+    for flag in ("kv_hold_timeout_s", "kv_pull_timeout_s"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    return KVTransferService(args.worker_id, backends, args.kv_hold_timeout_s, args.kv_pull_timeout_s,
+                             TransferFaults.parse(args.transfer_faults))
 
 
 async def _serve(server) -> None:

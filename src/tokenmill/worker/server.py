@@ -5,6 +5,13 @@ the worker streams `tokens` frames back and sends every known peer a `heartbeat`
 (with its load) twice a second, so a frontend notices a dead worker quickly even
 without a shared registry. A generate beyond the queue limit is answered with an
 `overloaded` error, a bad one with `invalid_request`.
+
+Roles (DESIGN.md): `agg` prefills and decodes; `prefill` and `decode` also run a
+`KVTransferService`, so a prefill-only generate is answered with a KV transfer handle and a
+generate carrying a handle pulls the prompt's KV instead of computing it. Any role still serves
+plain generates (conditional disaggregation prefills short prompts on the decode worker).
+Stopping drains: the worker leaves discovery, refuses new work, and lets its prefill-only
+requests and held KV finish (acknowledged or timed out) for up to `drain_timeout_s`.
 """
 from __future__ import annotations
 
@@ -18,17 +25,19 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.async_engine import AsyncLLMEngine, KVImport
 from tokenmill.engine.kv_tiers_wiring import tier_load
 from tokenmill.engine.llm_engine import EngineStats
-from tokenmill.engine.request import FINISH_ABORT, RequestOutput
+from tokenmill.engine.request import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
 from tokenmill.runtime import protocol as p
 from tokenmill.runtime.discovery import Discovery, WorkerInfo
 from tokenmill.worker.kv_publisher import KVEventPublisher
+from tokenmill.worker.kv_transfer import KVTransferService
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+ROLES = ("agg", "prefill", "decode")
 
 
 @dataclass(slots=True)
@@ -40,11 +49,18 @@ class WorkerSettings:
     max_queue: int | None = None  # requests allowed to wait beyond a full running batch
     parent_pid: int | None = None  # exit when this process (the supervisor) is gone
     events_address: str | None = None  # where KV events are published (None: not published)
+    drain_timeout_s: float = 10.0  # on stop: how long prefill-only work and held KV may finish
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
 
 
 class WorkerServer:
-    def __init__(self, engine: AsyncLLMEngine, settings: WorkerSettings, discovery: Discovery) -> None:
+    def __init__(self, engine: AsyncLLMEngine, settings: WorkerSettings, discovery: Discovery,
+                 transfer: KVTransferService | None = None) -> None:
         self.engine = engine
+        self.transfer = transfer
         self.settings = settings
         self.discovery = discovery
         self.ctx = zmq.asyncio.Context.instance()
@@ -52,7 +68,9 @@ class WorkerServer:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.peers: set[bytes] = set()
         self.tasks: dict[str, asyncio.Task] = {}
+        self.prefill_only: set[str] = set()  # ids in `tasks` that end with a KV handle
         self.requests_served = 0
+        self.draining = False
         self._stopping = asyncio.Event()
         self.publisher = (KVEventPublisher(engine, settings.worker_id, settings.events_address)
                           if settings.events_address else None)
@@ -69,18 +87,26 @@ class WorkerServer:
 
     async def serve(self) -> None:
         await self.engine.start()
+        if self.transfer is not None:
+            await self.transfer.start(self.engine)
         if self.publisher is not None:
             self.publisher.start()
         self.discovery.register(self._info())
         heartbeat = asyncio.create_task(self._heartbeat_loop())
+        receiving = asyncio.create_task(self._receive_loop())
         try:
-            await self._receive_loop()
+            await self._stopping.wait()
+            self.discovery.unregister(self.settings.worker_id)
+            await self._drain()
         finally:
+            receiving.cancel()
             heartbeat.cancel()
             self.discovery.unregister(self.settings.worker_id)
             for task in list(self.tasks.values()):
                 task.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            if self.transfer is not None:
+                await self.transfer.close()
             await self.engine.stop()
             self.socket.close()
             if self.publisher is not None:
@@ -88,6 +114,17 @@ class WorkerServer:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    async def _drain(self) -> None:
+        """Let prefill-only requests finish and held KV be pulled; refuse new work meanwhile."""
+        self.draining = True
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while time.monotonic() < deadline:
+            held = await self.transfer.num_held() if self.transfer is not None else 0
+            if not self.prefill_only and not held:
+                return
+            await asyncio.sleep(0.05)
+        log.warning("stopping with %d prefill requests and KV still held", len(self.prefill_only))
 
     def _info(self) -> WorkerInfo:
         engine = self.engine.engine
@@ -108,20 +145,16 @@ class WorkerServer:
                 "prefill_blocks": stats.prefill_blocks, "decode_blocks": stats.decode_blocks,
                 "in_flight": len(self.tasks), "requests_served": self.requests_served,
                 "prefill_tokens": stats.prefill_tokens, "onboarded_tokens": stats.onboarded_tokens,
+                "num_held": stats.num_held, "num_importing": stats.num_importing,
+                "num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks,
+                **(self.transfer.load() if self.transfer is not None else {}),
                 **tier_load(stats.tier_stats)}
 
     async def _receive_loop(self) -> None:
-        stop = asyncio.create_task(self._stopping.wait())
-        while not self._stopping.is_set():
-            recv = asyncio.ensure_future(self.socket.recv_multipart())
-            done, _ = await asyncio.wait({recv, stop}, return_when=asyncio.FIRST_COMPLETED)
-            if recv not in done:
-                recv.cancel()
-                break
-            frames = recv.result()
-            if len(frames) != 2:
-                continue
-            self._dispatch(frames[0], frames[1])
+        while True:
+            frames = await self.socket.recv_multipart()
+            if len(frames) == 2:
+                self._dispatch(frames[0], frames[1])
 
     def _dispatch(self, peer: bytes, frame: bytes) -> None:
         self.peers.add(peer)
@@ -134,9 +167,12 @@ class WorkerServer:
         if kind == p.GENERATE:
             self._start_generate(peer, msg)
         elif kind == p.ABORT:
-            task = self.tasks.get(str(msg.get("request_id")))
+            request_id = str(msg.get("request_id"))
+            task = self.tasks.get(request_id)
             if task is not None:
                 task.cancel()
+            elif self.transfer is not None:  # the client left after its prefill: drop the held KV
+                asyncio.create_task(self.transfer.release(request_id, "aborted"))
         elif kind == p.KV_SNAPSHOT and self.publisher is not None:
             asyncio.create_task(self._send_snapshot(peer))
         elif kind == p.PIN:
@@ -160,12 +196,23 @@ class WorkerServer:
         if not request_id or request_id in self.tasks:
             self._send(peer, p.error_message(request_id, p.INVALID_REQUEST, "request_id missing or in use"))
             return
+        if self.draining:
+            self._send(peer, p.error_message(request_id, p.OVERLOADED, "worker is shutting down"))
+            return
+        if (msg.get("prefill_only") or msg.get("kv_handle")) and self.transfer is None:
+            self._send(peer, p.error_message(request_id, p.INVALID_REQUEST,
+                                             f"a {self.settings.role} worker does not transfer KV"))
+            return
         limit = self.settings.max_queue
         # Counted here, not from engine stats, which lag behind requests still being handed over.
         if limit is not None and len(self.tasks) >= self.engine.engine.config.max_num_seqs + limit:
             self._send(peer, p.error_message(request_id, p.OVERLOADED, "worker queue is full"))
             return
-        self.tasks[request_id] = asyncio.create_task(self._generate(peer, request_id, msg))
+        task = self.tasks[request_id] = asyncio.create_task(self._generate(peer, request_id, msg))
+        # not a `finally` in _generate: a task cancelled before it first runs never enters it
+        task.add_done_callback(lambda _: self._forget_task(request_id, task))
+        if msg.get("prefill_only"):
+            self.prefill_only.add(request_id)
         self.requests_served += 1
 
     async def _generate(self, peer: bytes, request_id: str, msg: dict) -> None:
@@ -175,20 +222,38 @@ class WorkerServer:
             params = p.params_from_wire(msg.get("params"))
             stream = self.engine.generate(request_id, list(msg.get("prompt_token_ids") or []), params,
                                           msg.get("extra_key"), int(msg.get("output_offset") or 0),
-                                          int(msg.get("text_pending") or 0))
+                                          int(msg.get("text_pending") or 0),
+                                          prefill_only=bool(msg.get("prefill_only")),
+                                          kv_import=self._kv_import(msg.get("kv_handle")))
             async with asyncio.timeout_at(_loop_deadline(deadline)):
                 async for out in stream:
                     last = out
-                    self._send(peer, p.tokens_message(out))
+                    handle = None
+                    if out.finish_reason == FINISH_HANDOFF and self.transfer is not None:
+                        handle = await self.transfer.handle_for(out)
+                    self._send(peer, p.tokens_message(out, handle))
         except ValueError as exc:
             self._send(peer, p.error_message(request_id, p.INVALID_REQUEST, str(exc)))
         except (TimeoutError, asyncio.CancelledError):
+            if last is not None and last.finish_reason == FINISH_HANDOFF and self.transfer is not None:
+                asyncio.create_task(self.transfer.release(request_id, "aborted during the handoff"))
             self._send_abort(peer, request_id, last)
         except Exception as exc:  # an engine failure is this request's error, not the worker's death
             log.exception("request %s failed", request_id)
             self._send(peer, p.error_message(request_id, p.INTERNAL, f"worker error: {exc}"))
-        finally:
-            self.tasks.pop(request_id, None)
+
+    def _forget_task(self, request_id: str, task: asyncio.Task) -> None:
+        if self.tasks.get(request_id) is task:
+            del self.tasks[request_id]
+            self.prefill_only.discard(request_id)
+
+    def _kv_import(self, handle: object) -> KVImport | None:
+        transfer = self.transfer
+        if transfer is None or handle is None:
+            return None
+        if not isinstance(handle, dict):
+            raise ValueError("kv_handle must be a map")
+        return KVImport(lambda plan: transfer.pull(handle, plan))
 
     def _send_abort(self, peer: bytes, request_id: str, last: RequestOutput | None) -> None:
         done = last.num_output_tokens if last else 0

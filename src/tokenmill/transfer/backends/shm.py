@@ -17,7 +17,6 @@ import asyncio
 import logging
 import socket
 import threading
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +25,7 @@ import numpy as np
 from tokenmill.transfer.backends.server import FrameServer, NotificationSink, notify_handler, send_notification
 from tokenmill.transfer.backends.stream import ConnectionPool
 from tokenmill.transfer.descriptors import Descriptor
-from tokenmill.transfer.memory import SHM_DIR, SHM_PREFIX, SharedBuffer, shm_domain
+from tokenmill.transfer.memory import SHM_DIR, SharedBuffer, private_shm_name, shm_domain
 from tokenmill.transfer.regions import BYTE_KINDS, PeerInfo, RegionTable
 
 log = logging.getLogger(__name__)
@@ -44,7 +43,7 @@ class ShmBackend:
         self._agent = ""
         self._local: RegionTable | None = None
         self._server: FrameServer | None = None
-        self._socket_path = SHM_DIR / f"{SHM_PREFIX}{uuid.uuid4().hex[:16]}.sock"
+        self._socket_path = SHM_DIR / private_shm_name(".sock")
         self._mappings: dict[tuple[str, str], SharedBuffer] = {}
         self._pools: dict[str, ConnectionPool] = {}
 

@@ -42,6 +42,13 @@ class ByteStream:
     def close(self) -> None:
         self.sock.close()
 
+    def shutdown(self) -> None:
+        """Drop the connection under whoever is using it: their next send or receive fails."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed or never connected
+
     def is_alive(self) -> bool:
         """False when the peer closed an idle connection (or something unexpected is buffered)."""
         try:
@@ -134,16 +141,27 @@ class ConnectionPool:
     def __init__(self, family: int, address: Any, connect_timeout: float = 10.0) -> None:
         self.family, self.address, self.connect_timeout = family, address, connect_timeout
         self._idle: list[ByteStream] = []
+        self._busy: set[ByteStream] = set()
+        self._closed = False
 
     @asynccontextmanager
     async def stream(self) -> AsyncIterator[ByteStream]:
         stream = await self._take()
+        if self._closed:  # dropped while connecting
+            stream.close()
+            raise ConnectionError(f"connection to {self.address} dropped while connecting")
+        self._busy.add(stream)
         try:
             yield stream
         except BaseException:
             stream.close()
             raise
-        self._idle.append(stream)
+        finally:
+            self._busy.discard(stream)
+        if self._closed:
+            stream.close()
+        else:
+            self._idle.append(stream)
 
     async def _take(self) -> ByteStream:
         while self._idle:
@@ -162,6 +180,10 @@ class ConnectionPool:
         return ByteStream(sock)
 
     def close(self) -> None:
+        """Close idle connections and drop the ones in use (their transfers fail)."""
+        self._closed = True
         for stream in self._idle:
             stream.close()
         self._idle.clear()
+        for stream in self._busy:
+            stream.shutdown()

@@ -1,0 +1,72 @@
+"""Conditional disaggregation: whether a request's prompt is prefilled on a prefill worker.
+
+A deployment with prefill workers sends each new request's prompt to one of them unless
+prefilling it where it will be decoded is cheaper (DESIGN.md, "How a request flows", step 3):
+
+- `short_uncached_prompt`: the part of the prompt the chosen decode worker does not already
+  cache is below `threshold_tokens` — moving its KV would cost more than computing it;
+- `prefill_queue_full`: every prefill worker already has `queue_limit` prefills in flight from
+  this frontend, so waiting there would cost more TTFT than prefilling locally;
+- `no_prefill_worker`: none is registered (or all were tried and failed: `prefill_failed`).
+
+Every decision is counted by (decision, reason) and exported as
+`tokenmill_disagg_decisions_total{decision, reason}`.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+REMOTE, LOCAL = "remote", "local"
+
+
+@dataclass(slots=True, frozen=True)
+class DisaggConfig:
+    threshold_tokens: int = 256  # uncached prompt tokens from which prefill goes remote
+    queue_limit: int = 8  # prefills in flight per prefill worker before prefilling locally
+    max_prefill_attempts: int = 2  # prefill workers tried before falling back to local prefill
+
+    def __post_init__(self) -> None:
+        if self.threshold_tokens < 0:
+            raise ValueError(f"--disagg-threshold must be >= 0, got {self.threshold_tokens}")
+        if self.queue_limit < 1:
+            raise ValueError(f"--prefill-queue-limit must be >= 1, got {self.queue_limit}")
+        if self.max_prefill_attempts < 1:
+            raise ValueError(f"max_prefill_attempts must be >= 1, got {self.max_prefill_attempts}")
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillDecision:
+    decision: str  # REMOTE or LOCAL
+    reason: str
+    uncached_tokens: int
+
+
+class DisaggPolicy:
+    def __init__(self, config: DisaggConfig) -> None:
+        self.config = config
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    def decide(self, prompt_tokens: int, cached_tokens: int, prefill_in_flight: Iterable[int]) -> PrefillDecision:
+        """Where to prefill, given the decode worker's cached prefix and the prefill workers' queues."""
+        uncached = max(0, prompt_tokens - cached_tokens)
+        queues = list(prefill_in_flight)
+        if not queues:
+            choice = PrefillDecision(LOCAL, "no_prefill_worker", uncached)
+        elif uncached < self.config.threshold_tokens:
+            choice = PrefillDecision(LOCAL, "short_uncached_prompt", uncached)
+        elif min(queues) >= self.config.queue_limit:
+            choice = PrefillDecision(LOCAL, "prefill_queue_full", uncached)
+        else:
+            choice = PrefillDecision(REMOTE, "long_uncached_prompt", uncached)
+        self.counts[(choice.decision, choice.reason)] += 1
+        return choice
+
+    def fell_back(self) -> None:
+        """A remote prefill failed on every worker tried; the decode worker prefills."""
+        self.counts[(LOCAL, "prefill_failed")] += 1
+
+    def metrics_snapshot(self) -> dict[str, float]:
+        return {f'tokenmill_disagg_decisions_total{{decision="{d}",reason="{r}"}}': float(n)
+                for (d, r), n in self.counts.items()}

@@ -1,0 +1,147 @@
+"""A request's prefill on the prefill pool (disaggregated serving, DESIGN.md step 3).
+
+`RemotePrefill.run` sends the prompt as a prefill-only generate to a prefill worker chosen
+by the prefill pool's router, and yields the first token the moment that worker answers,
+keeping the KV transfer handle that came with it on the request's progress for the decode
+attempt. A prefill worker that dies, refuses (overloaded) or fails is excluded and the next
+one tried, up to `max_prefill_attempts`; then the policy records `prefill_failed` and the
+decode worker prefills the prompt itself. A handle that never reaches a decode worker (the
+client left, the deadline passed) is `discard`ed: the prefill worker frees its blocks at once
+instead of waiting for its hold to time out.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from tokenmill.engine.request import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
+from tokenmill.frontend.disagg import DisaggPolicy
+from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool
+from tokenmill.kv.hashing import block_hashes
+from tokenmill.router.decision import RoutingRequest
+from tokenmill.router.policies import NoWorkerAvailable
+from tokenmill.runtime import protocol as p
+
+if TYPE_CHECKING:
+    from tokenmill.frontend.distributed_backend import _Progress
+
+log = logging.getLogger(__name__)
+
+_RETRY = "retry"
+
+
+class RemotePrefill:
+    def __init__(self, pool: WorkerPool, policy: DisaggPolicy) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.in_flight: Counter[str] = Counter()  # prefill worker -> prefills awaiting its answer
+        self.deployed = False  # a prefill worker has been seen: decisions are counted from then on
+        self._holders: dict[str, str] = {}  # request id -> prefill worker holding its KV
+
+    def queues(self) -> list[int]:
+        """Prefills in flight on each live prefill worker (empty: no prefill pool now)."""
+        workers = self.pool.in_pool(prefill=True)
+        self.deployed = self.deployed or bool(workers)
+        return [self.in_flight[w] for w in workers]
+
+    async def run(self, request_id: str, progress: _Progress, deadline: float) -> AsyncIterator[RequestOutput]:
+        tried: set[str] = set()
+        for _ in range(self.policy.config.max_prefill_attempts):
+            conn = self._pick(request_id, progress, tried)
+            if conn is None:
+                break
+            tried.add(conn.worker_id)
+            result = await self._attempt(conn, request_id, progress, deadline)
+            if isinstance(result, RequestOutput):
+                yield result
+                return
+        self.policy.fell_back()
+        log.warning("remote prefill of %s failed on %s; prefilling on the decode worker", request_id, sorted(tried))
+
+    def handed_over(self, request_id: str) -> None:
+        """The handle went to a decode worker, which now releases the blocks."""
+        self._holders.pop(request_id, None)
+
+    def discard(self, request_id: str) -> None:
+        """Free the KV a prefill worker holds for a request that will not be decoded from it."""
+        worker = self._holders.pop(request_id, None)
+        conn = self.pool.connections.get(worker) if worker else None
+        if conn is not None:
+            _send_quietly(conn, {"type": p.ABORT, "request_id": request_id})
+
+    def _pick(self, request_id: str, progress: _Progress, tried: set[str]) -> WorkerConnection | None:
+        candidates = [w for w in self.pool.in_pool(prefill=True) if w not in tried]
+        if not candidates:
+            return None
+        block_size = int(self.pool.connections[candidates[0]].info.metadata.get("block_size", 16))
+        seed = int(self.pool.connections[candidates[0]].info.metadata.get("hash_seed", 0))
+        request = RoutingRequest(request_id, block_hashes(progress.prompt, block_size, seed), len(progress.prompt))
+        try:
+            return self.pool.connections[self.pool.prefill_router.select(request, candidates).worker]
+        except NoWorkerAvailable:
+            return None
+
+    async def _attempt(self, conn: WorkerConnection, request_id: str, progress: _Progress,
+                       deadline: float) -> RequestOutput | str:
+        """The first token (its handle kept on `progress`), or _RETRY to try another worker."""
+        worker = conn.worker_id
+        queue = conn.open_stream(request_id)
+        self.in_flight[worker] += 1
+        answered = False
+        try:
+            conn.send(p.generate_message(request_id, progress.prompt, progress.params, None, 0,
+                                         max(0.0, deadline - time.monotonic()), prefill_only=True))
+            msg = await _next(queue, deadline)
+            answered = msg is not None
+            if msg is None:
+                progress.finished = True
+                return RequestOutput(request_id, [], "", True, FINISH_ABORT, len(progress.prompt), 0, 0)
+            return self._result(worker, request_id, msg, progress)
+        except zmq.ZMQError:
+            answered = True
+            return _RETRY
+        finally:
+            self.in_flight[worker] -= 1
+            self.pool.prefill_router.on_finished(request_id)
+            conn.close_stream(request_id)
+            if not answered and worker in self.pool.connections:
+                _send_quietly(conn, {"type": p.ABORT, "request_id": request_id})
+
+    def _result(self, worker: str, request_id: str, msg: dict[str, Any], progress: _Progress) -> RequestOutput | str:
+        if msg is LOST or msg["type"] == p.ERROR and msg.get("code") in (p.INTERNAL, p.OVERLOADED):
+            log.warning("prefill worker %s could not prefill %s: %s", worker, request_id, msg.get("message", "lost"))
+            return _RETRY
+        if msg["type"] == p.ERROR:
+            raise ValueError(str(msg.get("message", "invalid request")))
+        out = p.output_from_wire(msg)
+        if out.finish_reason != FINISH_HANDOFF:  # the first token ended it (eos, stop, max_tokens=1)
+            progress.finished = out.finished
+            return out
+        handle = msg.get("kv_handle")
+        if not isinstance(handle, dict):
+            log.warning("prefill worker %s sent no KV handle for %s", worker, request_id)
+        else:
+            progress.kv_handle = handle
+            self._holders[request_id] = worker
+        return dataclasses.replace(out, finished=False, finish_reason=None, held_block_ids=[])
+
+
+async def _next(queue: asyncio.Queue, deadline: float) -> dict[str, Any] | None:
+    try:
+        return await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        return None
+
+
+def _send_quietly(conn: WorkerConnection, message: dict[str, Any]) -> None:
+    try:
+        conn.send(message)
+    except zmq.ZMQError as exc:  # the worker's hold times out on its own
+        log.debug("could not send to %s: %s", conn.worker_id, exc)

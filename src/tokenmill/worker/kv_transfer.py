@@ -1,0 +1,286 @@
+"""A worker's side of disaggregated serving: KV transfer handles out, KV pulls in.
+
+Prefill side: the engine's KV pool lives in shared memory (`allocator()`), registered with a
+`TransferAgent` as region "kv". When a prefill-only request ends, `handle_for` turns its held
+blocks into a handle (DESIGN.md "KV transfer handle": the agent's metadata, the pool layout, the
+block ids, the prompt length, the first token and one xxh3 checksum per block). The blocks stay
+held until the decode worker's `release` notification arrives, or `hold_timeout_s` passes.
+
+Decode side: `pull(handle, plan)` copies the remote blocks from `plan.first_block` on into the
+local blocks the engine allocated, verifies every block against its checksum and returns
+whether all of it arrived intact — any failure (bad handle, dropped connection, timeout,
+mismatch) is False, and the engine recomputes the prompt instead. Either way the prefill worker
+is told to release its blocks.
+
+`TransferFaults` (`--transfer-faults`) injects the failures the tests and drills need.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.kv_handoff import ImportPlan
+from tokenmill.engine.request import RequestOutput
+from tokenmill.transfer import (Descriptor, KVLayout, SharedTensor, TransferAgent, TransferError, TransferHandle,
+                                allocate_shared_tensor, kv_block_descriptors, kv_pair_descriptors)
+
+log = logging.getLogger(__name__)
+
+REGION = "kv"
+THREAD_CHECKSUM_BLOCKS = 64  # from here on checksums run off the event loop
+
+
+@dataclass(slots=True)
+class TransferFaults:
+    """Failures to inject into this worker's KV pulls (testing and drills only)."""
+
+    corrupt: bool = False  # flip a byte of the pulled KV before it is verified
+    drop: bool = False  # drop the connection to the prefill worker as soon as a read starts
+    delay_s: float = 0.0  # wait this long before pulling (a window to kill the prefill worker)
+
+    @classmethod
+    def parse(cls, spec: str | None) -> TransferFaults:
+        """`corrupt,drop,delay=0.5` (any subset); ValueError naming the bad item."""
+        faults = cls()
+        for item in filter(None, (part.strip() for part in (spec or "").split(","))):
+            name, _, value = item.partition("=")
+            if name in ("corrupt", "drop") and not value:
+                setattr(faults, name, True)
+            elif name == "delay" and value:
+                try:
+                    faults.delay_s = float(value)
+                except ValueError:
+                    raise ValueError(f"--transfer-faults: delay needs seconds, got {value!r}") from None
+            else:
+                raise ValueError(f"--transfer-faults: unknown fault {item!r} (corrupt, drop, delay=S)")
+        return faults
+
+
+@dataclass(slots=True)
+class TransferCounters:
+    handles: int = 0  # handed out (prefill side)
+    released_by_ack: int = 0
+    released_by_timeout: int = 0
+    pulls: int = 0  # attempted (decode side)
+    pull_failures: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    failure_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class KVTransferService:
+    def __init__(self, worker_id: str, backends: Sequence[str] = ("shm", "tcp"), hold_timeout_s: float = 30.0,
+                 pull_timeout_s: float = 10.0, faults: TransferFaults | None = None) -> None:
+        self.agent = TransferAgent(f"{worker_id}-{uuid.uuid4().hex[:8]}", backends)
+        self.hold_timeout_s = hold_timeout_s
+        self.pull_timeout_s = pull_timeout_s
+        self.faults = faults or TransferFaults()
+        self.counters = TransferCounters()
+        self.pool: SharedTensor | None = None
+        self.layout: KVLayout | None = None
+        self._engine: AsyncLLMEngine | None = None
+        self._peers: dict[str, dict[str, Any]] = {}  # name -> the metadata add_remote got
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._drop_lock = asyncio.Lock()
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The engine's KV allocator: the pool in shared memory, so a same-host peer maps it."""
+        self.pool = allocate_shared_tensor(shape, dtype)
+        return self.pool.tensor
+
+    async def start(self, engine: AsyncLLMEngine) -> None:
+        self._engine = engine
+        await self.agent.start()
+        if self.pool is not None:
+            self.agent.register(self.pool.region(REGION))
+            self.layout = KVLayout.of_tensor(self.pool.tensor)
+        self._spawn(self._release_on_notification())
+        self._spawn(self._release_expired())
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.agent.close()
+        if self.pool is not None:
+            self.pool.close()
+
+    def load(self) -> dict[str, float]:
+        c = self.counters
+        return {"kv_handles": c.handles, "kv_released_by_ack": c.released_by_ack,
+                "kv_released_by_timeout": c.released_by_timeout, "kv_pulls": c.pulls,
+                "kv_pull_failures": c.pull_failures, "kv_transfer_bytes": c.bytes,
+                "kv_transfer_seconds": c.seconds}
+
+    # -- prefill side ---------------------------------------------------------------------
+
+    async def handle_for(self, out: RequestOutput) -> dict[str, Any]:
+        """The transfer handle for a request that ended with FINISH_HANDOFF."""
+        self.counters.handles += 1
+        checksums = await self._checksums(out.held_block_ids) if self.layout is not None else []
+        return {"agent": self.agent.metadata(), "request_id": out.request_id,
+                "layout": self.layout.to_dict() if self.layout is not None else None,
+                "block_ids": list(out.held_block_ids), "num_tokens": out.num_prompt_tokens,
+                "first_token": out.new_token_ids[0], "checksums": checksums}
+
+    async def release(self, request_id: str, why: str) -> None:
+        if self._engine is not None and await self._engine.release_held(request_id):
+            log.debug("released the KV of %s (%s)", request_id, why)
+
+    async def _release_on_notification(self) -> None:
+        async for note in self.agent.notifications():
+            try:
+                request_id = str(msgpack.unpackb(note.message)["release"])
+            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+                log.warning("bad notification from %s: %s", note.sender, exc)
+                continue
+            if self._engine is not None and await self._engine.release_held(request_id):
+                self.counters.released_by_ack += 1
+
+    async def _release_expired(self) -> None:
+        while self._engine is not None:
+            await asyncio.sleep(min(1.0, self.hold_timeout_s / 2))
+            timeout = self.hold_timeout_s
+            for request_id in await self._engine.call(lambda e: e.handoff.expired(timeout)):
+                if await self._engine.release_held(request_id):
+                    self.counters.released_by_timeout += 1
+                    log.warning("released the KV of %s: no decode worker acknowledged in %.0f s",
+                                request_id, timeout)
+
+    async def num_held(self) -> int:
+        return 0 if self._engine is None else int(await self._engine.call(lambda e: len(e.handoff.held)))
+
+    # -- decode side ----------------------------------------------------------------------
+
+    async def pull(self, handle: dict[str, Any], plan: ImportPlan) -> bool:
+        """Copy the handle's blocks into `plan.block_ids`; True only if every byte verified."""
+        self.counters.pulls += 1
+        started = time.perf_counter()
+        reason = await self._pull(handle, plan)
+        if reason is not None:
+            self.counters.pull_failures += 1
+            key = reason.split(":")[0]
+            self.counters.failure_reasons[key] = self.counters.failure_reasons.get(key, 0) + 1
+            log.warning("KV pull for %s failed (%s); recomputing its prompt", plan.request_id, reason)
+        self.counters.seconds += time.perf_counter() - started
+        self._spawn(self._send_release(handle, plan.request_id))
+        return reason is None
+
+    async def _pull(self, handle: dict[str, Any], plan: ImportPlan) -> str | None:
+        """None when the KV arrived intact, else why not."""
+        try:
+            peer, src, dst, expected = self._plan_pull(handle, plan)
+        except (ValueError, KeyError, TypeError) as exc:
+            return f"bad handle: {exc}"
+        if self.faults.delay_s:
+            await asyncio.sleep(self.faults.delay_s)
+        if peer is None:
+            return None  # both sides run the mock engine: there are no bytes to move
+        if self.faults.drop:  # one at a time, so each dropped connection is this pull's own
+            async with self._drop_lock:
+                return await self._move(peer, src, dst, expected, plan)
+        return await self._move(peer, src, dst, expected, plan)
+
+    async def _move(self, peer: str, src: list[Descriptor], dst: list[Descriptor], expected: list[int],
+                    plan: ImportPlan) -> str | None:
+        try:
+            transfer = self.agent.read(peer, src, dst, timeout=self.pull_timeout_s)
+        except ValueError as exc:  # e.g. no backend reaches the peer
+            return f"bad handle: {exc}"
+        if self.faults.drop:
+            self._spawn(self._drop_connection(transfer, peer))
+        try:
+            await transfer.wait()
+        except asyncio.CancelledError:
+            transfer.cancel()  # and wait: the engine frees these blocks right after we return
+            await asyncio.shield(transfer.wait())
+            raise
+        if not transfer.ok:
+            self._forget(peer)  # reconnect (or learn of a restart) next time
+            return f"transfer: {transfer.reason}"
+        self.counters.bytes += transfer.bytes
+        if self.faults.corrupt:
+            self._corrupt(plan.block_ids[-1])
+        if await self._checksums(plan.block_ids) != expected:
+            return "checksum: the received KV does not match the prefill worker's"
+        return None
+
+    def _plan_pull(self, handle: dict[str, Any], plan: ImportPlan):
+        remote_ids = [int(b) for b in handle["block_ids"]][plan.first_block:]
+        expected = [int(c) for c in handle["checksums"]][plan.first_block:]
+        if len(remote_ids) != len(plan.block_ids):
+            raise ValueError(f"{len(remote_ids)} remote blocks for {len(plan.block_ids)} local ones")
+        if int(handle["num_tokens"]) != plan.num_tokens:
+            raise ValueError(f"handle covers {handle['num_tokens']} tokens, the request {plan.num_tokens}")
+        if handle.get("layout") is None or self.layout is None:
+            if handle.get("layout") is None and self.layout is None:
+                return None, [], [], expected
+            raise ValueError("one side keeps no KV pool in shared memory (mixed mock and torch workers?)")
+        remote_layout = KVLayout.from_dict(handle["layout"])
+        if len(expected) != len(remote_ids):
+            raise ValueError("one checksum per block is required")
+        peer = self._remote(handle["agent"])
+        src, dst = kv_pair_descriptors(remote_layout, REGION, remote_ids, self.layout, REGION, plan.block_ids)
+        return peer, src, dst, expected
+
+    def _remote(self, metadata: dict[str, Any]) -> str:
+        name = str(metadata["name"])
+        if self._peers.get(name) != metadata:
+            self.agent.add_remote(metadata)
+            self._peers[name] = metadata
+        return name
+
+    async def _drop_connection(self, transfer: TransferHandle, peer: str) -> None:
+        """Fault: cut the connection at the first await the transfer makes once it has one."""
+        while not transfer.done():
+            self._forget(peer)
+            await asyncio.sleep(0)
+
+    def _forget(self, name: str) -> None:
+        self._peers.pop(name, None)
+        self.agent.remove_remote(name)
+
+    async def _send_release(self, handle: dict[str, Any], request_id: str, attempts: int = 3) -> None:
+        """Tell the prefill worker to free the blocks; retried, as a dropped connection is likely
+        right after a failed pull (and the prefill worker times the hold out if all fail)."""
+        for attempt in range(attempts):
+            try:
+                name = self._remote(handle["agent"])
+                await self.agent.notify(name, msgpack.packb({"release": request_id}))
+                return
+            except (OSError, ValueError, KeyError, TypeError, TransferError) as exc:
+                if attempt == attempts - 1:
+                    log.info("could not tell the prefill worker to release %s: %s", request_id, exc)
+                else:
+                    await asyncio.sleep(0.05 * (attempt + 1))
+
+    # -- helpers --------------------------------------------------------------------------
+
+    async def _checksums(self, block_ids: Sequence[int]) -> list[int]:
+        if len(block_ids) >= THREAD_CHECKSUM_BLOCKS:
+            return await asyncio.to_thread(self._checksums_now, list(block_ids))
+        return self._checksums_now(block_ids)
+
+    def _checksums_now(self, block_ids: Sequence[int]) -> list[int]:
+        layout = self.layout
+        if layout is None:
+            return []
+        return [self.agent.checksum(kv_block_descriptors(layout, REGION, [b])) for b in block_ids]
+
+    def _corrupt(self, block_id: int) -> None:
+        if self.pool is not None:
+            self.pool.tensor[0, 0, block_id].view(torch.uint8).view(-1)[0] ^= 0xFF
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
