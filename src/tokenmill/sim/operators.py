@@ -17,8 +17,13 @@ from tokenmill.sim.tuning import Tuning
 
 # Kernel launches per block (norms, rope, residual adds, activation, routing and top-k included).
 KERNELS_ATTENTION_GQA = 6
-KERNELS_ATTENTION_MLA = 9
+# MLA decode, absorbed form: input norm, fused q_a/kv_a GEMM, q_a norm, kv_a norm, q_b GEMM, W_UK BMM,
+# RoPE + latent-cache append, MLA attention, split-KV combine, W_UV BMM, o_proj GEMM.
+KERNELS_ATTENTION_MLA = 11
 KERNELS_DENSE_MLP = 4
+# On the critical path: post-attention norm, router GEMM, top-k routing, permute/expand (+ quantize),
+# FC1 grouped GEMM (activation fused), FC2 grouped GEMM, finalize/unpermute, shared-expert join; the
+# shared expert's own GEMMs run on a second stream (TensorRT-LLM tech blog 1, multi-stream).
 KERNELS_MOE = 8
 
 

@@ -44,7 +44,8 @@ class Case:
 
 
 def deepseek_b200_min_latency() -> Case:
-    c = make_context("deepseek-r1", "b200", "fp4", backend="trtllm")
+    # The blog's min-latency recipe: NVFP4 MoE and dense FFN, attention and KV cache in BF16.
+    c = make_context("deepseek-r1", "b200", "fp4", kv="bf16", backend="trtllm")
     r = aggregated(c, Parallel.of(8, 1, 1, 1), Workload(1024, 2048), np.array([1.0]))
     return Case("published", "DS-R1 8xB200 TP8 b1 1K/2K tok/s/user", float(r.tps_per_user[0]), 111.0, 0.25,
                 "TensorRT-LLM tech blog 1 (no MTP)")
