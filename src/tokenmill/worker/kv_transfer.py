@@ -30,7 +30,7 @@ import torch
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.kv_handoff import ImportPlan
 from tokenmill.engine.request import RequestOutput
-from tokenmill.transfer import (Descriptor, KVLayout, SharedTensor, TransferAgent, TransferError, TransferHandle,
+from tokenmill.transfer import (Backend, Descriptor, KVLayout, SharedTensor, TransferAgent, TransferError, TransferHandle,
                                 allocate_shared_tensor, kv_block_descriptors, kv_pair_descriptors)
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class TransferCounters:
 
 
 class KVTransferService:
-    def __init__(self, worker_id: str, backends: Sequence[str] = ("shm", "tcp"), hold_timeout_s: float = 30.0,
+    def __init__(self, worker_id: str, backends: Sequence[str | Backend] = ("shm", "tcp"), hold_timeout_s: float = 30.0,
                  pull_timeout_s: float = 10.0, faults: TransferFaults | None = None) -> None:
         self.agent = TransferAgent(f"{worker_id}-{uuid.uuid4().hex[:8]}", backends)
         self.hold_timeout_s = hold_timeout_s

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="agg: prefill and decode; prefill/decode: disaggregated, with KV transfer")
     parser.add_argument("--kv-transfer-backends", default="shm,tcp",
                         help="KV transfer backends in order of preference (shm: same host, tcp: any)")
+    parser.add_argument("--kv-transfer-host", default="127.0.0.1",
+                        help="tcp KV transfers: address to listen on and advertise to peers (this host's IP "
+                             "across hosts)")
     parser.add_argument("--kv-hold-timeout-s", type=float, default=30.0,
                         help="prefill: free a handed-off prompt's KV if no decode worker acknowledges in time")
     parser.add_argument("--kv-pull-timeout-s", type=float, default=10.0,
@@ -71,10 +74,13 @@ def _transfer_service(args: argparse.Namespace):
 
     if args.role == "agg":
         return None
-    backends = [b.strip() for b in args.kv_transfer_backends.split(",") if b.strip()]
-    unknown = set(backends) - {"shm", "tcp"}
-    if not backends or unknown:
+    from tokenmill.transfer import ShmBackend, TcpBackend
+
+    names = [b.strip() for b in args.kv_transfer_backends.split(",") if b.strip()]
+    unknown = set(names) - {"shm", "tcp"}
+    if not names or unknown or len(set(names)) != len(names):
         raise ValueError(f"--kv-transfer-backends: choose from shm, tcp (got {args.kv_transfer_backends!r})")
+    backends = [ShmBackend() if name == "shm" else TcpBackend(args.kv_transfer_host) for name in names]
     for flag in ("kv_hold_timeout_s", "kv_pull_timeout_s"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive")

@@ -1,0 +1,35 @@
+"""Bad disaggregation flags are refused up front, naming the flag, before any worker starts."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def tokenmill(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli", *argv], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--prefill", "1"), "--prefill and --decode go together"),
+    (("--prefill", "1", "--decode", "1", "--workers", "3"), "--workers is for aggregated serving"),
+    (("--prefill", "1", "--decode", "1", "--disagg-threshold", "-1"), "--disagg-threshold"),
+    (("--prefill", "1", "--decode", "1", "--prefill-queue-limit", "0"), "--prefill-queue-limit"),
+])
+def test_serve_refuses_bad_topologies(tiny_dense: Path, flags: tuple[str, ...], message: str) -> None:
+    result = tokenmill("serve", "--model", str(tiny_dense), *flags)
+    assert result.returncode == 2 and message in result.stderr
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--kv-transfer-backends", "rdma"), "--kv-transfer-backends"),
+    (("--transfer-faults", "explode"), "--transfer-faults"),
+    (("--kv-pull-timeout-s", "0"), "--kv-pull-timeout-s"),
+])
+def test_worker_refuses_bad_transfer_flags(tiny_dense: Path, tmp_path: Path, flags: tuple[str, ...],
+                                           message: str) -> None:
+    result = tokenmill("worker", "--model", str(tiny_dense), "--role", "decode",
+                       "--discovery", f"file:{tmp_path}", *flags)
+    assert result.returncode == 2 and message in result.stderr
