@@ -62,7 +62,7 @@ def total_params(m: ModelConfig) -> int:
     return param_breakdown(m).total(m)
 
 
-def active_params(m: ModelConfig, input_embedding: bool = True) -> int:
+def active_params(m: ModelConfig, input_embedding: bool = True, mtp: bool = False) -> int:
     """Activated parameters per token. Vendors differ on the input-embedding table:
 
     - Qwen and Mistral count both embedding matrices (Qwen1.5-MoE-A2.7B's card: "2.7B activated,
@@ -70,8 +70,25 @@ def active_params(m: ModelConfig, input_embedding: bool = True) -> int:
     - DeepSeek leaves the input lookup out and counts the LM head: of the three readings that one is
       the closest to each published figure of the family (V2-Lite 2.45 B vs "2.4B", V2 20.85 B vs
       "21B", V3 36.63 B vs "37B"; counting both gives 2.66 / 21.38 / 37.55, neither 2.24 / 20.33 / 35.70).
+
+    `mtp=True` adds the checkpoint's multi-token-prediction modules as they run per token (see
+    `mtp_module_active_params`): DeepSeek-V3's "37B activated" is stated for its configuration with
+    MTP depth 1 (V3 paper, hyper-parameters: "... D is set to 1 ... Under this configuration,
+    DeepSeek-V3 comprises 671B total parameters, of which 37B are activated for each token"), while
+    its 671 B total is the main model alone (model card: 685 B = 671 B main + 14 B MTP).
     """
-    return param_breakdown(m).active(m, input_embedding)
+    extra = m.mtp_modules * mtp_module_active_params(m) if mtp else 0
+    return param_breakdown(m).active(m, input_embedding) + extra
+
+
+def mtp_module_active_params(m: ModelConfig) -> int:
+    """One DeepSeek MTP module per token: the projection of [embedding; hidden] (2d x d), its two input
+    norms and output norm, and one transformer block (MoE active part when the model is MoE); the
+    embedding table and LM head are shared with the main model, so they are not counted again."""
+    p = param_breakdown(m)
+    d = m.hidden
+    ffn = m.top_k * p.expert + p.shared_expert_total + p.router_per_layer if m.is_moe else p.dense_mlp_per_layer
+    return 2 * d * d + 3 * d + p.attention_per_layer + ffn
 
 
 def kv_values_per_token_per_layer(m: ModelConfig) -> int:

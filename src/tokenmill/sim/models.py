@@ -50,6 +50,7 @@ class ModelConfig:
     v_head_dim: int = 0
     sliding_window: int = 0
     sliding_fraction: float = 0.0
+    mtp_modules: int = 0  # multi-token-prediction modules shipped with the checkpoint (DeepSeek-V3: 1)
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "heads", "kv_heads", "vocab"):
@@ -105,6 +106,7 @@ def from_hf_config(cfg: dict, name: str) -> ModelConfig:
         qk_nope_dim=int(_first(cfg, "qk_nope_head_dim")), qk_rope_dim=int(_first(cfg, "qk_rope_head_dim")),
         v_head_dim=int(_first(cfg, "v_head_dim")), sliding_window=sliding,
         sliding_fraction=float(_first(cfg, "sliding_window_layer_fraction", default=1.0 if sliding else 0.0)),
+        mtp_modules=int(_first(cfg, "num_nextn_predict_layers")),
     )
 
 
