@@ -69,3 +69,13 @@ def test_search_offers_adp_balance_as_a_design_choice():
     balanced = points.detail["adp_balance"] == 1.0
     assert balanced.any() and (~balanced).any()
     assert np.all(points.detail["dp"][balanced] > 1)
+
+
+def test_a_lone_request_decodes_without_prefill_in_its_steps():
+    # Its own prompt is its TTFT; only other requests' prompts interleave with its decode steps.
+    from tokenmill.sim.serving import decode_step
+    c = make_context("deepseek-r1", "gb200", "fp4")
+    par, w = Parallel.of(8), Workload(8192, 256)
+    r = aggregated(c, par, w, np.array([1.0, 2.0]))
+    assert r.tpot[0] == pytest.approx(decode_step(c, par, w, np.array([1.0]))[0])
+    assert r.tpot[1] > decode_step(c, par, w, np.array([2.0]))[0]  # the other request's 8K prompt interleaves

@@ -112,9 +112,12 @@ def _interleaved_prefill(c: OpContext, par: Parallel, w: Workload, micro: np.nda
     """Extra seconds per decode step from the prompt chunks mixed into it, at the prefill kernels' efficiency.
 
     In steady state a request finishes every osl/acceptance steps, so its prompt is spread over them.
+    A user's tokens are slowed only by the *other* requests' prompts: its own prefill is its TTFT,
+    before its first decode step (at batch 1 the decode steps carry no prefill at all).
     """
     cp = c.for_prefill()
-    rate = micro * w.mtp_acceptance / w.osl  # prompts per step per attention-DP rank
+    others = np.maximum(micro - 1.0 / par.dp, 0.0)  # the other requests, per attention-DP rank
+    rate = others * w.mtp_acceptance / w.osl  # their prompts per step per rank
     mean = decode_step(cp, par, w, micro, rate * w.isl) - decode_step(cp, par, w, micro)
     if c.tuning.adp_balance:
         return mean
