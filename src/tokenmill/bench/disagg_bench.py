@@ -609,6 +609,8 @@ def _config_json(args: argparse.Namespace, model: Path) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """0 when every request of every arm completed, 1 when some did not, 2 for bad flags or a server
     that would not start. Missed targets are results, not failures."""
+    import httpx
+
     logging.getLogger("httpx").setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # a line per request
     try:
         mix = Mix(args.num_requests, args.long_prompt, args.short_prompt, args.long_fraction, args.output_len)
@@ -619,7 +621,7 @@ def run(args: argparse.Namespace) -> int:
         warmups = warmup_requests(mix, args.warmup_requests, args.seed, vocab_size)
         with _work_dir(args.work_dir) as work:
             runs = [run_arm(name, flags, model, specs, warmups, args, work) for name, flags in _arm_flags(args)]
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError, httpx.HTTPError) as exc:  # bad flags, or a server unfit to measure
         log.error("bench disagg: %s", exc)
         return 2
     workload = workload_json(specs, classes)
