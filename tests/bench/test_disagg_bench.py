@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from tokenmill.bench.disagg_bench import (
-    AGGREGATED, DISAGGREGATED, LONG, SHORT, Mix, build_workload, decisions_delta, expected_workers, parse_decisions,
+    AGGREGATED, DISAGGREGATED, LONG, SHORT, Mix, build_workload, count_server_events, decisions_delta,
+    expected_workers, parse_decisions,
 )
 from tokenmill.cli import main
 
@@ -66,6 +67,7 @@ def test_report_structure(report: dict[str, Any]) -> None:
         for dist in (arm["results"]["ttft_ms"], arm["results"]["itl_ms"], arm["by_class"][LONG]["ttft_ms"]):
             assert dist["p50"] <= dist["p99"] <= dist["max"]
         assert len(arm["load"]["worker_cpu_utilization"]) == 2  # both arms run two worker processes
+        assert set(arm["load"]["server_events"]) == {"worker_drops", "migrations"}
         decisions = arm["disagg_decisions"]
         assert decisions is None or all(set(d) == {"decision", "reason", "count"} for d in decisions)
     comparison = report["comparison"]
@@ -126,3 +128,18 @@ def test_decision_counters_parsed_and_differenced() -> None:
     assert delta == [{"decision": "local", "reason": "below_threshold", "count": 40},
                      {"decision": "remote", "reason": "long_prompt", "count": 10}]
     assert decisions_delta(None, None) is None
+
+
+def test_server_events_counted_from_the_serve_log(tmp_path: Path) -> None:
+    log_path = tmp_path / "serve.log"
+    log_path.write_text(
+        "2026-11-30 14:11:11,547 WARNING tokenmill.frontend.worker_pool: worker worker-1 left (deregistered); "
+        "6 requests to migrate\n"
+        "2026-11-30 14:11:11,548 WARNING tokenmill.frontend.distributed_backend: migrating a request off worker "
+        "worker-1 after 3 tokens\n"
+        "2026-11-30 14:11:11,549 WARNING tokenmill.frontend.distributed_backend: migrating a request off worker "
+        "worker-1 after 0 tokens\n"
+        "2026-11-30 14:12:00,000 WARNING tokenmill.frontend.worker_pool: worker decode-0 left (heartbeat timeout); "
+        "0 requests to migrate\n")
+    assert count_server_events(log_path) == {"worker_drops": 2, "migrations": 2}
+    assert count_server_events(tmp_path / "missing.log") is None

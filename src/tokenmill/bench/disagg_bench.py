@@ -41,7 +41,9 @@ unless the key ends in _ms; distributions are {count, mean, p50, p90, p99, max} 
                        the last third of short prompts ÷ the first third's: ≫ 1 = a growing queue),
                        worker_cpu_utilization {"worker-id (role)": cores used}, frontend_cpu_utilization,
                        client_cpu_utilization (this load generator), other_processes_cpu_cores (the rest of
-                       the host meanwhile: well above 0 means the cores were shared and figures inflated)},
+                       the host meanwhile: well above 0 means the cores were shared and figures inflated),
+                       server_events: null or {worker_drops, migrations} (from the serve log, warm-up
+                       included: a dropped worker's streams are recomputed elsewhere, inflating latencies)},
                  disagg_decisions: null (no such counters) or [{decision, reason, count}] (this run only),
                  requests: only with --save-requests: [bench serve's per-request rows + "class"]}},
       "comparison": null (an arm missing) or {p99_itl_ratio, p99_itl_target_max, p99_itl_met,
@@ -100,6 +102,8 @@ DEFAULT_PRESET = "small-moe"
 HOST_KEY, CLIENT_KEY, FRONTEND_KEY = "host", "client", "frontend"  # non-worker keys of a CPU snapshot
 NON_WORKER_KEYS = (HOST_KEY, CLIENT_KEY, FRONTEND_KEY)
 MIN_TOKEN_ID = 3  # ids 0..2 are the presets' special tokens
+WORKER_DROP_RE = re.compile(r"WARNING \S+: worker \S+ left \(")  # frontend.worker_pool's drop warning
+MIGRATION_TEXT = "migrating a request off worker"  # frontend.distributed_backend's warning
 DECISIONS_RE = re.compile(r'^tokenmill_disagg_decisions_total\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
 LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -332,6 +336,7 @@ class ArmRun:
     cpu_s: dict[str, float]  # CPU seconds used during the measured run, per process (see cpu_snapshot)
     cpu_window_s: float  # wall seconds between the two CPU snapshots
     decisions: list[dict[str, Any]] | None
+    server_events: dict[str, int] | None = None  # from the serve log, see count_server_events
 
 
 async def served_model(client: httpx.AsyncClient, url: str) -> str:
@@ -382,9 +387,21 @@ def run_arm(name: str, flags: list[str], model: Path, specs: Sequence[RequestSpe
         log.info("%s: %d workers healthy at %s; warming up", name, server.num_workers, server.url)
         with progress_bar(name, len(specs), args.quiet) as on_done:
             arm = asyncio.run(measure(server, name, flags, specs, warmups, args, on_done))
+    arm.server_events = count_server_events(work_dir / name / "serve.log")
     ok = sum(1 for r in arm.records if r.status == "ok")
     log.info("%s: %d/%d requests ok", name, ok, len(arm.records))
     return arm
+
+
+def count_server_events(log_path: Path) -> dict[str, int] | None:
+    """Workers the frontend dropped (deregistered, heartbeat timeout, restarted) and the streams it
+    migrated, warm-up included, from the serve log's warnings: no counter exports them, and a drop
+    makes the other worker recompute the migrated prompts, which inflates that arm's latencies."""
+    try:
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return {"worker_drops": len(WORKER_DROP_RE.findall(text)), "migrations": text.count(MIGRATION_TEXT)}
 
 
 @contextmanager
@@ -429,7 +446,8 @@ def load_figures(arm: ArmRun, summary: ServeSummary, arrival_span_s: float,
             "worker_cpu_utilization": {k: v for k, v in cores.items() if k not in NON_WORKER_KEYS},
             "frontend_cpu_utilization": cores.get(FRONTEND_KEY), "client_cpu_utilization": cores.get(CLIENT_KEY),
             # CPU the rest of the box used meanwhile: well above 0 means the two cores were not ours
-            "other_processes_cpu_cores": cores[HOST_KEY] - ours if HOST_KEY in cores else None}
+            "other_processes_cpu_cores": cores[HOST_KEY] - ours if HOST_KEY in cores else None,
+            "server_events": arm.server_events}
 
 
 def queue_trend(records: Sequence[RequestRecord], classes: Sequence[str]) -> float | None:
@@ -528,6 +546,11 @@ def _cpu(arm: dict[str, Any]) -> str:
     return "\n".join(f"{name} {value:.2f}" for name, value in workers.items()) or "-"
 
 
+def _events(arm: dict[str, Any]) -> str:
+    events = arm["load"]["server_events"]
+    return "-" if events is None else f"{events['worker_drops']} / {events['migrations']}"
+
+
 def _decisions(arm: dict[str, Any]) -> str:
     if arm["disagg_decisions"] is None:
         return "-"
@@ -549,6 +572,7 @@ _ROWS: tuple[tuple[str, Any], ...] = (
     ("frontend / client CPU (cores)", lambda a: f"{_fmt(a['load']['frontend_cpu_utilization'], '.2f')} / "
                                                 f"{_fmt(a['load']['client_cpu_utilization'], '.2f')}"),
     ("other processes' CPU (cores)", lambda a: _fmt(a["load"]["other_processes_cpu_cores"], ".2f")),
+    ("worker drops / migrations", _events),
     ("disagg decisions", _decisions),
 )
 
