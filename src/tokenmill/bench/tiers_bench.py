@@ -7,7 +7,9 @@ Workload (issue 6, scaled to small-moe's 4,096-token context): `--agents` agents
 (`--output-tokens`, greedy, exact length) to its own history. Requests run one at a time,
 agents round-robin within a turn; TTFT is the time from `add_request` to the first token,
 in-process. The device pool is a quarter of the working set (corpus + every history), but
-never below the longest prompt plus a few blocks. Cross-replica: engine A computes the
+never below the longest prompt plus a few blocks. The modes run side by side, one engine
+each, taking turns request by request (see `_agent_loop`), so background load on a shared
+machine does not skew their ratio. Cross-replica: engine A computes the
 corpus plus a question (shared tier written through); engine B then answers the corpus
 plus another question, with the same shared tier (Redis, a `redis-server` child on
 loopback unless `--kv-shared` is given; a directory when redis-server is missing) vs none.
@@ -119,33 +121,56 @@ def _agentic(args: argparse.Namespace, model: str, tmp: Path) -> list[TierRun]:
     blocks = max(working // 4, longest)
     block_gb = _block_bytes(model) / 2**30
     log.info("working set %d blocks, device pool %d blocks (%.0f%%)", working, blocks, 100 * blocks / working)
-    runs = []
-    modes = [("device-only", {})]
+    modes: list[tuple[str, dict[str, Any]]] = [("device-only", {})]
     for fraction in (0.5, 1.0):  # host holding half / all of the working set; disk twice it
         modes.append((f"host{fraction:.0%}+disk", {"kv_host_gb": block_gb * working * fraction,
                                                    "kv_disk_dir": str(tmp / f"disk{fraction}"),
                                                    "kv_disk_gb": block_gb * working * 2}))
-    for name, tiers in modes:
-        engine = _engine(model, args, blocks, name, **tiers)
-        ttfts = _agent_loop(engine, args, corpus, turns)
-        stats = engine.stats()
-        engine.close()
-        runs.append(TierRun(name, statistics.fmean(ttfts), _p90(ttfts), stats.prefill_tokens,
-                            stats.onboarded_tokens, len(ttfts)))
-        log.info("%s: mean TTFT %.3fs", name, runs[-1].mean_ttft_s)
-    return runs
+    engines = [_engine(model, args, blocks, name, **tiers) for name, tiers in modes]
+    try:
+        ttfts = _agent_loop(engines, args, corpus, turns)
+        runs = []
+        for (name, _), engine, times in zip(modes, engines, ttfts, strict=True):
+            stats = engine.stats()
+            runs.append(TierRun(name, statistics.fmean(times), _p90(times), stats.prefill_tokens,
+                                stats.onboarded_tokens, len(times)))
+            log.info("%s: mean TTFT %.3fs", name, runs[-1].mean_ttft_s)
+        return runs
+    finally:
+        for engine in engines:
+            engine.close()
 
 
-def _agent_loop(engine: Any, args: argparse.Namespace, corpus: list[int], turns: list[list[list[int]]]) -> list[float]:
-    histories = [list(corpus) for _ in range(args.agents)]
-    ttfts = []
+def _agent_loop(engines: list[Any], args: argparse.Namespace, corpus: list[int],
+                turns: list[list[list[int]]]) -> list[list[float]]:
+    """Every mode serves the same request back to back, in an order that rotates per request,
+    before the next request starts: on a shared machine a change of background load then
+    hits every mode alike instead of whichever mode happened to run during it (run one
+    after the other, the modes' ratio moved by 2x with other jobs). Each engine's offload
+    queue is drained after its request, outside the timing, so its background stores never
+    land in another mode's TTFT; a request's own evictions still overlap its own prefill.
+    Each mode keeps its own histories: outputs have a fixed length, so every mode does the same
+    work, but in bf16 a near-tied greedy pick can differ with the prefill's shape.
+    Per-mode TTFTs, in request order."""
+    histories = [[list(corpus) for _ in range(args.agents)] for _ in engines]
+    ttfts: list[list[float]] = [[] for _ in engines]
+    request = 0
     for turn in range(args.turns):
         for agent in range(args.agents):
-            histories[agent].extend(turns[agent][turn])
-            ttft, output = _ttft(engine, f"a{agent}-t{turn}", histories[agent], args.output_tokens)
-            histories[agent].extend(output)
-            ttfts.append(ttft)
+            for i in _rotated(len(engines), request):
+                history = histories[i][agent]
+                history.extend(turns[agent][turn])
+                ttft, output = _ttft(engines[i], f"a{agent}-t{turn}", history, args.output_tokens)
+                history.extend(output)
+                ttfts[i].append(ttft)
+                if engines[i].tiers is not None:
+                    engines[i].tiers.manager.drain(timeout_s=60)
+            request += 1
     return ttfts
+
+
+def _rotated(n: int, shift: int) -> list[int]:
+    return [(shift + i) % n for i in range(n)]
 
 
 def _cross_replica(args: argparse.Namespace, model: str, tmp: Path) -> dict[str, float]:

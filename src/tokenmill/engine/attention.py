@@ -69,8 +69,14 @@ def paged_attention(
         k, v = _gather_context(kv_layer, span)
         rows = slice(span.query_start, span.query_start + span.query_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, qlen, dim]
-        mask = _causal_mask(span.query_len, span.context_len, q.device)
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        if span.query_len == span.context_len and span.query_len > 1:
+            # No cached context: the mask is the plain causal one, which the flash kernel
+            # applies itself and uses to skip the key tiles above the diagonal (half the work
+            # of a cold prompt), where an explicit mask would be computed through.
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            mask = _causal_mask(span.query_len, span.context_len, q.device)
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out.view(tokens, heads * dim)
 

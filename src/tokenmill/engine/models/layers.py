@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.engine.kernels.packed_linear import PackedLinear, bf16_packing_available, pack_experts
 from tokenmill.engine.model_config import ModelConfig, MoEConfig
 
 
@@ -99,6 +100,20 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden))
         self.w_down = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.intermediate_size))
+        self._packed: tuple[list[PackedLinear], list[PackedLinear]] | None = None
+
+    def _packed_experts(self, x: torch.Tensor) -> tuple[list[PackedLinear], list[PackedLinear]] | None:
+        """Expert weights packed once for oneDNN (bf16 CPU inference only): with few rows per
+        expert, re-packing them on every call is most of the MoE's time (kernels/packed_linear.py).
+        Repacked when the weights change; None where packing does not apply."""
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() \
+                or not bf16_packing_available():
+            return None
+        packed = self._packed
+        if packed is None or packed[0][0].stale(self.w_gate_up[0]) or packed[1][0].stale(self.w_down[0]):
+            gate_up, down = pack_experts(self.w_gate_up), pack_experts(self.w_down)
+            packed = self._packed = (gate_up, down) if gate_up and down else None
+        return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -112,11 +127,17 @@ class SparseMoE(nn.Module):
         token_of = order // self.top_k
         xs = x.index_select(0, token_of)
         outs = torch.empty_like(xs)
+        packed = self._packed_experts(x)
         start = 0
         for e, n in enumerate(counts):
             if n:
-                gate, up = F.linear(xs[start:start + n], self.w_gate_up[e]).chunk(2, dim=-1)
-                outs[start:start + n] = F.linear(F.silu(gate) * up, self.w_down[e])
+                rows = xs[start:start + n]
+                if packed is None:
+                    gate, up = F.linear(rows, self.w_gate_up[e]).chunk(2, dim=-1)
+                    outs[start:start + n] = F.linear(F.silu(gate) * up, self.w_down[e])
+                else:
+                    gate, up = packed[0][e](rows).chunk(2, dim=-1)
+                    outs[start:start + n] = packed[1][e](F.silu(gate) * up)
                 start += n
         outs = outs * weights[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token_of, outs)
