@@ -37,6 +37,7 @@ from tokenmill.worker.kv_transfer import KVTransferService
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+STATS_WAIT_S = 0.1  # how long a heartbeat waits for the engine thread's fresh stats
 ROLES = ("agg", "prefill", "decode")
 
 
@@ -268,11 +269,19 @@ class WorkerServer:
             log.debug("could not send to %r: %s", peer, exc)
 
     async def _heartbeat_loop(self) -> None:
+        """Beat every HEARTBEAT_INTERVAL_S whatever the engine is doing: its stats are read
+        between steps, so during a long prefill step the beat carries the last known load
+        (waiting for fresh stats would make a busy worker look dead)."""
+        load = self._load(self.engine.engine.stats())  # the engine thread is idle before serving
+        stats: asyncio.Future[EngineStats] | None = None
         while True:
             if self.settings.parent_pid is not None and os.getppid() != self.settings.parent_pid:
                 log.error("supervisor %d is gone; stopping", self.settings.parent_pid)
                 self.stop()
-            load = self._load(await self.engine.stats())
+            stats = stats if stats is not None and not stats.done() else asyncio.ensure_future(self.engine.stats())
+            done, _ = await asyncio.wait({stats}, timeout=STATS_WAIT_S)
+            if done and stats.exception() is None:
+                load = self._load(stats.result())
             self.discovery.heartbeat(self.settings.worker_id, load)
             beat = {"type": p.HEARTBEAT, "worker_id": self.settings.worker_id, "load": load}
             for peer in list(self.peers):
