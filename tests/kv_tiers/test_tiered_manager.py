@@ -141,3 +141,23 @@ def test_two_workers_share_blocks_through_redis(tmp_path: Path, redis_server: Re
     assert worker_b.stats()["tiers"]["shared"]["hits"] == 5
     worker_a.close()
     worker_b.close()
+
+
+def test_re_evicted_block_is_counted_without_serializing_it_again(tmp_path: Path, monkeypatch) -> None:
+    """A block the host already holds (onboarded, then evicted from the device again) counts as
+    a use, which lets it pass the disk filter, but is not turned into bytes a second time."""
+    from tokenmill.kv import tiered_manager
+
+    serialized: list[int] = []
+    real = tiered_manager.block_payload
+    monkeypatch.setattr(tiered_manager, "block_payload", lambda t: serialized.append(1) or real(t))
+    manager = _manager(tmp_path, EventLog(), host_blocks=2)
+    block = OffloadBlock(7, None, (1, 2, 3, 4), torch.zeros(BLOCK_BYTES, dtype=torch.uint8))
+    assert manager.offload([block]) and manager.drain()
+    assert manager.offload([block]) and manager.drain()
+    assert len(serialized) == 1
+    assert manager.stats()["offload_stored"] == 2
+    manager.offload([_offload(8), _offload(9)])  # pushes 7 out of host: used twice, so to disk
+    manager.drain()
+    assert manager.disk is not None and manager.disk.hashes() == [7]
+    manager.close()

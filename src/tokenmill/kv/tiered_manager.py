@@ -130,11 +130,19 @@ class TieredKVManager:
 
     def _store(self, block: OffloadBlock) -> None:
         start = time.perf_counter()
+        first = self.host or self.disk
+        to_shared = self.shared is not None and (self.write_through or block.block_hash in self._pinned)
+        if not to_shared and isinstance(first, IndexedTier) and first.refresh(block.block_hash):
+            # A block onboarded from this tier and evicted again (most evictions in a multi-turn
+            # workload): count the use as `put` would, but skip turning the block's KV into bytes
+            # again, work that otherwise competes with the prefill that caused the eviction.
+            self.stats_counters.offload_stored += 1
+            self.stats_counters.offload_seconds += time.perf_counter() - start
+            return
         payload = block.payload if isinstance(block.payload, bytes) else block_payload(block.payload)
         meta = BlockMeta(block.parent, tuple(block.token_ids))
-        first = self.host or self.disk
         stored = first.put(block.block_hash, payload, meta) if first is not None else False
-        if self.shared is not None and (self.write_through or block.block_hash in self._pinned):
+        if to_shared:
             stored = self.shared.put(block.block_hash, payload, meta) or stored
         self.stats_counters.offload_stored += int(stored)
         self.stats_counters.offload_seconds += time.perf_counter() - start

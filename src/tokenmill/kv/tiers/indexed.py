@@ -65,6 +65,12 @@ class IndexedTier(Generic[Prepared]):
     def used_bytes(self) -> int:
         return self.index.used_bytes
 
+    def refresh(self, block_hash: int) -> bool:
+        """What `put` does for a block already held (count a use, refresh its recency), without
+        a payload: False when the block is absent."""
+        with self._lock:
+            return self.index.touch(block_hash)
+
     def put(self, block_hash: int, payload: bytes, meta: BlockMeta) -> bool:
         start = time.perf_counter()
         with self._lock:
