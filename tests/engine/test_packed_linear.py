@@ -72,3 +72,11 @@ def test_training_mode_keeps_autograd() -> None:
     x = torch.randn(5, 64).to(torch.bfloat16)
     moe(x).float().sum().backward()  # the packed op has no backward: grad-enabled calls must not use it
     assert moe.w_gate_up.grad is not None and moe._packed is None
+
+
+@needs_packing
+def test_prepack_packs_before_the_first_forward() -> None:
+    """Packing happens at load, not inside the first request's latency."""
+    moe = _moe()
+    layers.prepack_experts(torch.nn.Sequential(moe))
+    assert moe._packed is not None and len(moe._packed[0]) == 8

@@ -12,7 +12,8 @@ each, taking turns request by request (see `_agent_loop`), so background load on
 machine does not skew their ratio. Cross-replica: engine A computes the
 corpus plus a question (shared tier written through); engine B then answers the corpus
 plus another question, with the same shared tier (Redis, a `redis-server` child on
-loopback unless `--kv-shared` is given; a directory when redis-server is missing) vs none.
+loopback unless `--kv-shared` is given; a directory when redis-server is missing) vs none,
+averaged over `--cross-repeats` fresh corpora.
 """
 from __future__ import annotations
 
@@ -52,13 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus-tokens", type=int, default=2048)
     parser.add_argument("--turn-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--cross-repeats", type=int, default=3, help="corpora the cross-replica figure averages")
     parser.add_argument("--kv-shared", default=None, help="shared tier for the cross-replica part (redis://… or dir)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the figures here")
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("threads", "agents", "turns", "corpus_tokens", "turn_tokens", "output_tokens"):
+    for name in ("threads", "agents", "turns", "corpus_tokens", "turn_tokens", "output_tokens", "cross_repeats"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     with tempfile.TemporaryDirectory(prefix="tm-tiers-") as tmp:
@@ -174,29 +176,50 @@ def _rotated(n: int, shift: int) -> list[int]:
 
 
 def _cross_replica(args: argparse.Namespace, model: str, tmp: Path) -> dict[str, float]:
+    """Mean over `--cross-repeats` corpora (a fresh one each, so no repeat finds another's
+    blocks), the two cases alternating which goes first: each figure is one request, so a
+    single measurement on a shared machine moved by 2x."""
     rng = random.Random(args.seed + 1)
-    corpus = _tokens(rng, model, args.corpus_tokens)
-    questions = [_tokens(rng, model, 32) for _ in range(2)]
     blocks = (args.corpus_tokens + 64) // 16 + 8
     server, shared = _shared_tier(args, tmp)
     try:
+        cases = [("none", {}), ("shared", {"kv_shared": shared})]
+        ttfts: dict[str, list[float]] = {name: [] for name, _ in cases}
         result: dict[str, float] = {}
-        for name, tiers in (("none", {}), ("shared", {"kv_shared": shared})):
-            a = _engine(model, args, blocks, "replica-a", **tiers, kv_write_through=bool(tiers))
-            _ttft(a, "a", corpus + questions[0], 2)
-            if a.tiers is not None:
-                a.tiers.manager.drain(timeout_s=60)
-            b = _engine(model, args, blocks, "replica-b", **tiers)
-            result[f"ttft_{name}_s"], _ = _ttft(b, "b", corpus + questions[1], 2)
-            result[f"prefill_tokens_{name}"] = b.stats().prefill_tokens
-            a.close()
-            b.close()
+        for repeat in range(args.cross_repeats):
+            corpus = _tokens(rng, model, args.corpus_tokens)
+            questions = [_tokens(rng, model, 32) for _ in range(2)]
+            for name, tiers in cases[repeat % 2:] + cases[:repeat % 2]:
+                ttft, prefill = _second_replica_ttft(args, model, blocks, tiers, corpus, questions)
+                ttfts[name].append(ttft)
+                result[f"prefill_tokens_{name}"] = float(prefill)
+        for name, values in ttfts.items():
+            result[f"ttft_{name}_s"] = statistics.fmean(values)
         result["shared_tier"] = 0.0 if shared.startswith("redis://") else 1.0
         return result
     finally:
         if server is not None:
             server.terminate()
             server.wait(timeout=10)
+
+
+def _second_replica_ttft(args: argparse.Namespace, model: str, blocks: int, tiers: dict[str, Any],
+                         corpus: list[int], questions: list[list[int]]) -> tuple[float, int]:
+    """Replica A answers corpus + question 0 (writing through to `tiers`' shared tier, if any);
+    then a fresh replica B answers corpus + question 1: B's TTFT and prefill token count."""
+    a = _engine(model, args, blocks, "replica-a", **tiers, kv_write_through=bool(tiers))
+    b = None
+    try:
+        _ttft(a, "a", corpus + questions[0], 2)
+        if a.tiers is not None:
+            a.tiers.manager.drain(timeout_s=60)
+        b = _engine(model, args, blocks, "replica-b", **tiers)
+        ttft, _ = _ttft(b, "b", corpus + questions[1], 2)
+        return ttft, b.stats().prefill_tokens
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
 
 
 def _shared_tier(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[bytes] | None, str]:

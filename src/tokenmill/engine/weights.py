@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.models.layers import prepack_experts
 from tokenmill.engine.models.transformer import CausalLM, RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
     missing = sorted(expected - seen)
     if missing:
         raise CheckpointError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    prepack_experts(model)
     return model.eval()
 
 

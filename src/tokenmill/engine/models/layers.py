@@ -102,6 +102,15 @@ class SparseMoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.intermediate_size))
         self._packed: tuple[list[PackedLinear], list[PackedLinear]] | None = None
 
+    def prepack(self) -> None:
+        """Pack the expert weights now, once they are loaded: packed lazily, the first forward
+        would carry the cost (~80 ms a layer on small-moe) into some request's latency."""
+        self._packed = self._pack()
+
+    def _pack(self) -> tuple[list[PackedLinear], list[PackedLinear]] | None:
+        gate_up, down = pack_experts(self.w_gate_up), pack_experts(self.w_down)
+        return (gate_up, down) if gate_up and down else None
+
     def _packed_experts(self, x: torch.Tensor) -> tuple[list[PackedLinear], list[PackedLinear]] | None:
         """Expert weights packed once for oneDNN (bf16 CPU inference only): with few rows per
         expert, re-packing them on every call is most of the MoE's time (kernels/packed_linear.py).
@@ -111,8 +120,7 @@ class SparseMoE(nn.Module):
             return None
         packed = self._packed
         if packed is None or packed[0][0].stale(self.w_gate_up[0]) or packed[1][0].stale(self.w_down[0]):
-            gate_up, down = pack_experts(self.w_gate_up), pack_experts(self.w_down)
-            packed = self._packed = (gate_up, down) if gate_up and down else None
+            packed = self._packed = self._pack()
         return packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,3 +149,11 @@ class SparseMoE(nn.Module):
                 start += n
         outs = outs * weights[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token_of, outs)
+
+
+def prepack_experts(model: nn.Module) -> None:
+    """Pack every MoE layer's expert weights (a no-op where packing does not apply); call after
+    the weights are loaded."""
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.prepack()
