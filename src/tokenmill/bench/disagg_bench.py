@@ -5,8 +5,10 @@ Poisson arrival times, to two fresh `tokenmill serve` deployments on this host, 
 
 - aggregated (`--agg-flags`, default `--workers 2 --threads 1`): both workers prefill and decode,
   so a long prompt's prefill stalls the decodes batched with it;
-- disaggregated (`--disagg-flags`, default `--prefill 1 --decode 1 --threads 1`): one worker
-  prefills, the other only decodes, so decode steps are never stretched by a long prefill.
+- disaggregated (`--disagg-flags`, default `--prefill 1 --decode 1 --threads 1
+  --disagg-threshold 0`): one worker prefills every prompt, the other only decodes (pass
+  `--disagg-threshold 256` to measure conditional disaggregation, where short prompts are
+  prefilled on the decode worker), so decode steps are never stretched by a long prefill.
 
 Each worker is one process with one torch thread, so both arms use two cores. The mix (issue 4):
 `--long-fraction` (20%) of the requests carry `--long-prompt` (1,500) random tokens, the rest
@@ -87,7 +89,7 @@ SCHEMA_VERSION = 1
 AGGREGATED, DISAGGREGATED = "aggregated", "disaggregated"
 LONG, SHORT = "long", "short"
 DEFAULT_AGG_FLAGS = "--workers 2 --threads 1"
-DEFAULT_DISAGG_FLAGS = "--prefill 1 --decode 1 --threads 1"
+DEFAULT_DISAGG_FLAGS = "--prefill 1 --decode 1 --threads 1 --disagg-threshold 0"
 P99_ITL_TARGET_MAX = 0.5
 OUTPUT_TPS_TARGET_MIN = 0.75
 # 1.5 req/s = 192 output + 527 prompt tokens/s offered. Each aggregated worker then holds ~4-5

@@ -11,9 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tokenmill.transfer.memory import remove_shared_files_of
 from tokenmill.frontend.launch import (add_frontend_flags, disagg_config, make_backend, model_name, router_policy,
                                       run_http)
+from tokenmill.transfer.memory import remove_shared_files_of
 
 log = logging.getLogger(__name__)
 

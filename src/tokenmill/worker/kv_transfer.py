@@ -12,7 +12,8 @@ whether all of it arrived intact — any failure (bad handle, dropped connection
 mismatch) is False, and the engine recomputes the prompt instead. Either way the prefill worker
 is told to release its blocks.
 
-`TransferFaults` (`--transfer-faults`) injects the failures the tests and drills need.
+`TransferFaults` (`worker/transfer_faults.py`, `--transfer-faults`) injects the failures the
+tests and drills need.
 """
 from __future__ import annotations
 
@@ -32,37 +33,12 @@ from tokenmill.engine.kv_handoff import ImportPlan
 from tokenmill.engine.request import RequestOutput
 from tokenmill.transfer import (Backend, Descriptor, KVLayout, SharedTensor, TransferAgent, TransferError, TransferHandle,
                                 allocate_shared_tensor, kv_block_descriptors, kv_pair_descriptors)
+from tokenmill.worker.transfer_faults import TransferFaults
 
 log = logging.getLogger(__name__)
 
 REGION = "kv"
 THREAD_CHECKSUM_BLOCKS = 64  # from here on checksums run off the event loop
-
-
-@dataclass(slots=True)
-class TransferFaults:
-    """Failures to inject into this worker's KV pulls (testing and drills only)."""
-
-    corrupt: bool = False  # flip a byte of the pulled KV before it is verified
-    drop: bool = False  # drop the connection to the prefill worker as soon as a read starts
-    delay_s: float = 0.0  # wait this long before pulling (a window to kill the prefill worker)
-
-    @classmethod
-    def parse(cls, spec: str | None) -> TransferFaults:
-        """`corrupt,drop,delay=0.5` (any subset); ValueError naming the bad item."""
-        faults = cls()
-        for item in filter(None, (part.strip() for part in (spec or "").split(","))):
-            name, _, value = item.partition("=")
-            if name in ("corrupt", "drop") and not value:
-                setattr(faults, name, True)
-            elif name == "delay" and value:
-                try:
-                    faults.delay_s = float(value)
-                except ValueError:
-                    raise ValueError(f"--transfer-faults: delay needs seconds, got {value!r}") from None
-            else:
-                raise ValueError(f"--transfer-faults: unknown fault {item!r} (corrupt, drop, delay=S)")
-        return faults
 
 
 @dataclass(slots=True)

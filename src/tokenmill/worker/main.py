@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _transfer_service(args: argparse.Namespace):
     """Prefill and decode workers move KV; an agg worker has no use for an agent."""
-    from tokenmill.worker.kv_transfer import KVTransferService, TransferFaults
+    from tokenmill.worker.kv_transfer import KVTransferService
+    from tokenmill.worker.transfer_faults import TransferFaults
 
     if args.role == "agg":
         return None
