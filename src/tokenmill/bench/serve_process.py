@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,11 +48,16 @@ class ServeProcess:
         return entries
 
     def healthy(self) -> bool:
+        """Serving, with every worker registered and connected to the frontend (a request sent
+        earlier could miss a pool, e.g. be prefilled on a decode worker)."""
         try:
             ok = httpx.get(self.url + "/health", timeout=1.0, trust_env=False).status_code == 200
+            metrics = httpx.get(self.url + "/metrics", timeout=1.0, trust_env=False).text if ok else ""
         except httpx.HTTPError:
             return False
-        return ok and len(self.registry()) == self.num_workers
+        connected = re.search(r"^tokenmill_workers (\S+)$", metrics, re.MULTILINE)
+        return (len(self.registry()) == self.num_workers and connected is not None
+                and float(connected.group(1)) == self.num_workers)
 
 
 def free_port() -> int:
