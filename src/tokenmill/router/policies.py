@@ -15,7 +15,9 @@ blocks against it). Policies: `kv` scores every candidate with `tokenmill.router
 on the event-built `KVIndexer`; `kv-approx` does the same on `ApproxIndexer`;
 `round-robin` and `random` ignore state; `least-loaded` samples two candidates and takes
 the one with fewer active blocks (power of two choices). In disaggregated deployments
-hold two routers: the prefill pool's on `kv`, the decode pool's on `least-loaded`.
+hold two routers: the prefill pool's on `kv`, the decode pool's on the configured policy
+(`kv` by default in `tokenmill serve`: the overlap it reports is what conditional
+disaggregation compares with its threshold).
 KV events from workers not added (or already removed) are IGNORED: a worker that joins
 late starts with a gap and is rebuilt from its snapshot.
 """
