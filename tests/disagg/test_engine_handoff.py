@@ -135,3 +135,38 @@ def test_import_needs_the_sampled_token(engines: tuple[LLMEngine, LLMEngine, LLM
     _, _, dec = engines
     with pytest.raises(ValueError, match="output_offset|continues"):
         dec.begin_import("x", [5, 6, 7], PARAMS, output_offset=0)
+
+
+def test_text_held_back_for_stop_strings_reaches_the_client(tiny_dense: Path) -> None:
+    """With a stop string set, the first token's text may be held back; the decode side must
+    emit it, and a stop string spanning the handoff must still end the request."""
+    ref, pre, dec = (make_engine(tiny_dense, num_kv_blocks=96) for _ in range(3))
+    prompt = prompts(ref, 1, seed=13, low=30, high=31)[0]
+    plain = dataclasses.replace(PARAMS, stop=["\x00never\x00"])
+    full = "".join(o.new_text for o in run_all(ref, "ref", prompt, plain))
+    first_len = len(ref.tokenizer.decode(ref.generate([prompt], PARAMS)[0][:1]))
+    assert 0 < first_len < len(full) - 2
+    spanning = full[first_len - 1:first_len + 2]  # starts in the first token's text, ends after it
+    for params in (plain, dataclasses.replace(PARAMS, stop=[spanning])):
+        expected = "".join(o.new_text for o in run_all(ref, "ref", prompt, params))
+        first = prefill(pre, "s", prompt, params)
+        assert first.finish_reason == FINISH_HANDOFF and first.new_text == "" and first.text_pending_tokens == 1
+        plan = dec.begin_import("s", prompt + first.new_token_ids,
+                                dataclasses.replace(params, max_tokens=params.max_tokens - 1), output_offset=1,
+                                text_pending=first.text_pending_tokens)
+        assert plan is not None
+        copy_blocks(pre, first.held_block_ids[plan.first_block:], dec, plan.block_ids)
+        dec.finish_import("s", ok=True)
+        text = first.new_text + "".join(o.new_text for o in run_all(dec, "s"))
+        assert text == expected
+        pre.release_held("s")
+
+
+def run_all(engine: LLMEngine, request_id: str, prompt: list[int] | None = None,
+            params: SamplingParams | None = None) -> list[RequestOutput]:
+    if prompt is not None and params is not None:
+        engine.add_request(request_id, prompt, params)
+    outs: list[RequestOutput] = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == request_id]
+    return outs

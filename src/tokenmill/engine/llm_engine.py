@@ -250,7 +250,11 @@ class LLMEngine:
 
     def _hand_off(self, request: Request, token: int, text: str, logprob: TokenLogprob | None,
                   pending: int) -> RequestOutput:
-        """End a prefill-only request after its first token, keeping its blocks held."""
+        """End a prefill-only request after its first token, keeping its blocks held. If any of
+        the token's text is held back, none is emitted here: the decode worker re-detokenizes
+        the token (`text_pending`), so its text and stop-string checks continue seamlessly."""
+        if self.output.holds_text(request.request_id):
+            text, pending = "", len(request.output_token_ids)
         self.scheduler.finish(request, FINISH_HANDOFF, free_kv=False)
         self.output.remove(request.request_id)
         blocks = self.handoff.hold(request.request_id)

@@ -37,6 +37,12 @@ class OutputProcessor:
         state = self._text.get(request_id)
         return state.detok.pending_tokens if state is not None else 0
 
+    def holds_text(self, request_id: str) -> bool:
+        """True when some of the request's text has not been emitted yet (an incomplete
+        character, or characters held back because a stop string might start there)."""
+        state = self._text.get(request_id)
+        return state is not None and (state.emitted < len(state.text) or state.detok.pending_tokens > 0)
+
     def remove(self, request_id: str) -> None:
         self._text.pop(request_id, None)
 
