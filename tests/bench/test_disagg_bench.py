@@ -12,10 +12,8 @@ from typing import Any
 
 import pytest
 
-from tokenmill.bench.disagg_bench import (
-    AGGREGATED, DISAGGREGATED, LONG, SHORT, Mix, build_workload, count_server_events, decisions_delta,
-    expected_workers, parse_decisions,
-)
+from tokenmill.bench.disagg_bench import AGGREGATED, DISAGGREGATED, LONG, SHORT, Mix, build_workload, expected_workers
+from tokenmill.bench.serve_observe import count_server_events, decisions_delta, parse_decisions
 from tokenmill.cli import main
 
 NUM_REQUESTS, LONG_PROMPT, SHORT_PROMPT, OUTPUT_LEN = 10, 96, 16, 6

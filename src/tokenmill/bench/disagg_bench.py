@@ -59,9 +59,7 @@ import asyncio
 import json
 import logging
 import math
-import os
 import random
-import re
 import shlex
 import shutil
 import statistics
@@ -82,6 +80,9 @@ if TYPE_CHECKING:  # the bench modules pull numpy and httpx: only `run` imports 
     from tokenmill.bench.serve_process import ServeProcess
     from tokenmill.bench.serve_stats import Distribution, ServeSummary
 
+from tokenmill.bench.serve_observe import (CLIENT_KEY, FRONTEND_KEY, HOST_KEY, count_server_events, cpu_snapshot,
+                                           decisions_delta, fetch_decisions)
+
 log = logging.getLogger(__name__)
 
 SCHEMA_NAME = "tokenmill.bench.disagg"
@@ -101,13 +102,8 @@ DEFAULT_RATE = 1.5
 WARMUP_OUTPUT_TOKENS = 8
 MODEL_CACHE = Path.home() / ".cache" / "tokenmill" / "models"
 DEFAULT_PRESET = "small-moe"
-HOST_KEY, CLIENT_KEY, FRONTEND_KEY = "host", "client", "frontend"  # non-worker keys of a CPU snapshot
 NON_WORKER_KEYS = (HOST_KEY, CLIENT_KEY, FRONTEND_KEY)
 MIN_TOKEN_ID = 3  # ids 0..2 are the presets' special tokens
-WORKER_DROP_RE = re.compile(r"WARNING \S+: worker \S+ left \(")  # frontend.worker_pool's drop warning
-MIGRATION_TEXT = "migrating a request off worker"  # frontend.distributed_backend's warning
-DECISIONS_RE = re.compile(r'^tokenmill_disagg_decisions_total\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
-LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -261,73 +257,6 @@ def serving(model: Path, flags: Sequence[str], work_dir: Path, start_timeout_s: 
         yield server
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a live process, from /proc (None elsewhere or once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    # fields[0] is the state (field 3 of stat); utime and stime are fields 14 and 15
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def host_busy_seconds() -> float | None:
-    """CPU seconds the whole host has spent busy (all cores, every process), from /proc/stat."""
-    try:
-        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    guest = sum(ticks[8:10])  # guest time is already counted in user/nice
-    return (sum(ticks) - idle - guest) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_snapshot(server: ServeProcess) -> dict[str, float | None]:
-    """CPU seconds so far of each worker ("id (role)"), the frontend, this load generator ("client")
-    and the whole host ("host"): the box is shared, so the report says what else ran."""
-    snap: dict[str, float | None] = {HOST_KEY: host_busy_seconds(), CLIENT_KEY: cpu_seconds(os.getpid()),
-                                     FRONTEND_KEY: cpu_seconds(server.process.pid)}
-    for info in server.registry():
-        snap[f"{info.get('worker_id', info['pid'])} ({info.get('role', '?')})"] = cpu_seconds(int(info["pid"]))
-    return snap
-
-
-def parse_decisions(metrics_text: str) -> dict[tuple[str, str], float]:
-    """(decision, reason) → count from Prometheus text; empty when the counter is not exported."""
-    counts: dict[tuple[str, str], float] = {}
-    for line in metrics_text.splitlines():
-        match = DECISIONS_RE.match(line)
-        if match is None:
-            continue
-        labels = dict(LABEL_RE.findall(match["labels"]))
-        key = (labels.get("decision", ""), labels.get("reason", ""))
-        counts[key] = counts.get(key, 0.0) + float(match["value"])
-    return counts
-
-
-async def fetch_decisions(client: httpx.AsyncClient, url: str) -> dict[tuple[str, str], float] | None:
-    """The decision counters now; None when /metrics does not answer or has none."""
-    import httpx
-
-    try:
-        resp = await client.get(f"{url}/metrics", timeout=10.0)
-    except httpx.HTTPError as exc:
-        log.warning("GET /metrics failed: %s", exc)
-        return None
-    counts = parse_decisions(resp.text) if resp.status_code == 200 else {}
-    return counts or None
-
-
-def decisions_delta(before: dict[tuple[str, str], float] | None,
-                    after: dict[tuple[str, str], float] | None) -> list[dict[str, Any]] | None:
-    """What the measured run added (the warm-up's decisions are left out)."""
-    if after is None:
-        return None
-    before = before or {}
-    return [{"decision": decision, "reason": reason, "count": int(round(value - before.get((decision, reason), 0)))}
-            for (decision, reason), value in sorted(after.items())]
-
-
 # --------------------------------------------------------------------------- one arm
 
 @dataclass(slots=True)
@@ -393,17 +322,6 @@ def run_arm(name: str, flags: list[str], model: Path, specs: Sequence[RequestSpe
     ok = sum(1 for r in arm.records if r.status == "ok")
     log.info("%s: %d/%d requests ok", name, ok, len(arm.records))
     return arm
-
-
-def count_server_events(log_path: Path) -> dict[str, int] | None:
-    """Workers the frontend dropped (deregistered, heartbeat timeout, restarted) and the streams it
-    migrated, warm-up included, from the serve log's warnings: no counter exports them, and a drop
-    makes the other worker recompute the migrated prompts, which inflates that arm's latencies."""
-    try:
-        text = log_path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    return {"worker_drops": len(WORKER_DROP_RE.findall(text)), "migrations": text.count(MIGRATION_TEXT)}
 
 
 @contextmanager
@@ -509,96 +427,6 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 # --------------------------------------------------------------------------- table
 
-def render(report: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    arms = report["arms"]
-    w = report["workload"]
-    table = Table(title=f"tokenmill bench disagg — {w['num_requests']} requests ({w['long_requests']} long), "
-                        f"{report['config']['rate']} req/s")
-    table.add_column("figure")
-    for name in arms:
-        table.add_column(name, justify="right")
-    for label, cell in _ROWS:
-        table.add_row(label, *(cell(arm) for arm in arms.values()))
-    console = Console()
-    console.print(table)
-    if report["comparison"] is not None:
-        console.print(_comparison_table(report["comparison"]))
-
-
-def _ms(dist: dict[str, float] | None) -> str:
-    return "-" if dist is None else f"{dist['p50']:.1f} / {dist['p99']:.1f}"
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _outcomes(arm: dict[str, Any]) -> str:
-    r = arm["results"]
-    failed = r["requests_total"] - r["requests_ok"]
-    extra = "" if not failed else " (" + ", ".join(f"{k} {v}" for k, v in r["outcomes"].items() if k != "ok") + ")"
-    return f"{r['requests_ok']} / {failed}{extra}"
-
-
-def _cpu(arm: dict[str, Any]) -> str:
-    workers = arm["load"]["worker_cpu_utilization"]
-    return "\n".join(f"{name} {value:.2f}" for name, value in workers.items()) or "-"
-
-
-def _events(arm: dict[str, Any]) -> str:
-    events = arm["load"]["server_events"]
-    return "-" if events is None else f"{events['worker_drops']} / {events['migrations']}"
-
-
-def _decisions(arm: dict[str, Any]) -> str:
-    if arm["disagg_decisions"] is None:
-        return "-"
-    return "\n".join(f"{d['decision']}/{d['reason']} {d['count']}" for d in arm["disagg_decisions"]) or "-"
-
-
-_ROWS: tuple[tuple[str, Any], ...] = (
-    ("serve flags", lambda a: " ".join(a["serve_flags"])),
-    ("completed / failed", _outcomes),
-    ("TTFT p50 / p99 ms", lambda a: _ms(a["results"]["ttft_ms"])),
-    ("  long prompts", lambda a: _ms(a["by_class"][LONG]["ttft_ms"])),
-    ("  short prompts", lambda a: _ms(a["by_class"][SHORT]["ttft_ms"])),
-    ("ITL p50 / p99 ms", lambda a: _ms(a["results"]["itl_ms"])),
-    ("output tokens / s", lambda a: f"{a['results']['output_token_throughput']:.1f}"),
-    ("duration / drain s", lambda a: f"{a['results']['duration_s']:.1f} / {a['load']['drain_s']:.1f}"),
-    ("mean requests in flight", lambda a: f"{a['load']['mean_in_flight']:.1f}"),
-    ("short TTFT late ÷ early", lambda a: _fmt(a["load"]["short_ttft_late_over_early"], ".2f")),
-    ("worker CPU (cores)", _cpu),
-    ("frontend / client CPU (cores)", lambda a: f"{_fmt(a['load']['frontend_cpu_utilization'], '.2f')} / "
-                                                f"{_fmt(a['load']['client_cpu_utilization'], '.2f')}"),
-    ("other processes' CPU (cores)", lambda a: _fmt(a["load"]["other_processes_cpu_cores"], ".2f")),
-    ("worker drops / migrations", _events),
-    ("disagg decisions", _decisions),
-)
-
-
-def _comparison_table(c: dict[str, Any]) -> Any:
-    from rich.table import Table
-
-    def verdict(met: bool) -> str:
-        return "[green]met[/green]" if met else "[red]not met[/red]"
-
-    def fmt(value: float | None) -> str:
-        return "-" if value is None else f"{value:.3f}"
-
-    table = Table(title="disaggregated ÷ aggregated")
-    for column in ("figure", "ratio", "target", "verdict"):
-        table.add_column(column, justify="left" if column == "figure" else "right")
-    table.add_row("p99 ITL", fmt(c["p99_itl_ratio"]), f"≤ {c['p99_itl_target_max']}", verdict(c["p99_itl_met"]))
-    table.add_row("output tokens / s", fmt(c["output_tokens_per_s_ratio"]),
-                  f"≥ {c['output_tokens_per_s_target_min']}", verdict(c["output_tokens_per_s_met"]))
-    return table
-
-
-# --------------------------------------------------------------------------- command
-
 def _validate(args: argparse.Namespace, mix: Mix, context_len: int) -> None:
     for name in ("rate", "timeout_s", "max_duration_s", "start_timeout_s"):
         if getattr(args, name) <= 0:
@@ -654,6 +482,8 @@ def run(args: argparse.Namespace) -> int:
     arms = {arm.name: arm_json(arm, classes, workload["arrival_span_s"], args.save_requests) for arm in runs}
     report = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION, "config": _config_json(args, model),
               "workload": workload, "arms": arms, "comparison": comparison_json(arms)}
+    from tokenmill.bench.disagg_report import render
+
     render(report)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
