@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.bench.disagg_bench import LONG, SHORT
+from tokenmill.bench.disagg_workload import LONG, SHORT
 
 
 def render(report: dict[str, Any]) -> None:
