@@ -15,6 +15,7 @@ from tokenmill.bench.serve_process import ServeProcess, start_serve, stop
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sampling import SamplingParams
+from tokenmill.transfer.memory import SHM_DIR
 
 MAX_TOKENS = 12
 KV_BLOCKS = "384"
@@ -42,8 +43,12 @@ def server_factory(tiny_dense: Path, tmp_path: Path) -> Iterator[Callable[..., S
         return started[-1]
 
     yield make
+    leftovers = []
     for server in started:
+        pids = {int(entry["pid"]) for entry in server.registry()}
         stop(server)
+        leftovers += [path.name for pid in pids for path in SHM_DIR.glob(f"tokenmill-{pid}-*")]
+    assert not leftovers, f"shared memory left behind by stopped workers: {leftovers}"
 
 
 def mixed_prompts(count: int, seed: int = 0, vocab: int = 2048) -> list[list[int]]:

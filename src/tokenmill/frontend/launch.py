@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import threading
 from pathlib import Path
 
 from tokenmill.router.policies import POLICIES
@@ -77,6 +79,15 @@ async def run_http(args: argparse.Namespace, backend) -> None:
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     log.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn shuts down on SIGTERM, then raises it again with the handler found before it
+        # started: the default one would end the process before the callers' cleanup (stopping
+        # the workers) runs; an exception unwinds through it instead.
+        signal.signal(signal.SIGTERM, _exit_after_cleanup)
     await server.serve()
+
+
+def _exit_after_cleanup(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
