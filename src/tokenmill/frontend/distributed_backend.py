@@ -32,7 +32,7 @@ from tokenmill.frontend.backend import BackendUnavailable, Overloaded
 from tokenmill.frontend.disagg import REMOTE, DisaggConfig, DisaggPolicy
 from tokenmill.frontend.metrics import tier_gauges
 from tokenmill.frontend.prefill import RemotePrefill
-from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool
+from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool, next_message
 from tokenmill.kv.hashing import block_hashes
 from tokenmill.router.decision import RoutingRequest
 from tokenmill.router.policies import NoWorkerAvailable
@@ -146,7 +146,7 @@ class DistributedBackend:
         candidates = [w for w in self.pool.in_pool(prefill=False) if w not in excluded]
         if candidates:
             tokens = progress.prompt + progress.generated
-            block_size, seed = self._hashing()
+            block_size, seed = self.pool.hashing()
             request = RoutingRequest(request_id, block_hashes(tokens, block_size, seed), len(tokens))
             try:
                 decision = self.pool.router.select(request, candidates)
@@ -160,12 +160,6 @@ class DistributedBackend:
             raise Overloaded(retry_after=1.0)
         raise BackendUnavailable("no worker is available")
 
-    def _hashing(self) -> tuple[int, int]:
-        """Block size and hash seed the workers cache with (all workers of a pool agree)."""
-        for conn in self.pool.connections.values():
-            return int(conn.info.metadata.get("block_size", 16)), int(conn.info.metadata.get("hash_seed", 0))
-        return 16, 0
-
     async def _attempt(self, conn: WorkerConnection, request_id: str, progress: _Progress,
                        deadline: float, excluded: set[str]) -> AsyncIterator[RequestOutput]:
         queue = conn.open_stream(request_id)
@@ -178,7 +172,7 @@ class DistributedBackend:
                 self._note_migration(conn, progress, excluded)
                 return
             while not progress.finished:
-                msg = await self._next(queue, deadline)
+                msg = await next_message(queue, deadline)
                 if msg is None:  # deadline passed
                     yield self._final(request_id, progress, FINISH_ABORT)
                 elif msg is LOST or (msg["type"] == p.ERROR and msg.get("code") == p.INTERNAL):
@@ -198,7 +192,7 @@ class DistributedBackend:
         finally:
             conn.close_stream(request_id)
             if not worker_done and conn.worker_id in self.pool.connections:
-                conn.send({"type": p.ABORT, "request_id": request_id})
+                conn.send_quietly({"type": p.ABORT, "request_id": request_id})
 
     def _generate_message(self, request_id: str, progress: _Progress, deadline: float) -> dict:
         remaining = dataclasses.replace(progress.params,
@@ -209,13 +203,6 @@ class DistributedBackend:
         return p.generate_message(request_id, progress.prompt + progress.generated, remaining, None,
                                   len(progress.generated), max(0.0, deadline - time.monotonic()),
                                   progress.text_pending, kv_handle=handle)
-
-    @staticmethod
-    async def _next(queue: asyncio.Queue, deadline: float) -> dict | None:
-        try:
-            return await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            return None
 
     def _note_migration(self, conn: WorkerConnection, progress: _Progress, excluded: set[str]) -> None:
         progress.migrations += 1
@@ -247,7 +234,6 @@ class DistributedBackend:
         progress.finished = True
         return RequestOutput(request_id, [], "", True, reason, len(progress.prompt), len(progress.generated),
                              progress.num_cached_tokens or 0)
-
 
 
 async def _reply(queue: asyncio.Queue[dict[str, Any]], timeout_s: float) -> dict[str, Any]:

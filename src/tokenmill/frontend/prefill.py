@@ -11,7 +11,6 @@ instead of waiting for its hold to time out.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -23,7 +22,7 @@ import zmq
 
 from tokenmill.engine.request import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
 from tokenmill.frontend.disagg import DisaggPolicy
-from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool
+from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool, next_message
 from tokenmill.kv.hashing import block_hashes
 from tokenmill.router.decision import RoutingRequest
 from tokenmill.router.policies import NoWorkerAvailable
@@ -74,14 +73,13 @@ class RemotePrefill:
         worker = self._holders.pop(request_id, None)
         conn = self.pool.connections.get(worker) if worker else None
         if conn is not None:
-            _send_quietly(conn, {"type": p.ABORT, "request_id": request_id})
+            conn.send_quietly({"type": p.ABORT, "request_id": request_id})
 
     def _pick(self, request_id: str, progress: _Progress, tried: set[str]) -> WorkerConnection | None:
         candidates = [w for w in self.pool.in_pool(prefill=True) if w not in tried]
         if not candidates:
             return None
-        block_size = int(self.pool.connections[candidates[0]].info.metadata.get("block_size", 16))
-        seed = int(self.pool.connections[candidates[0]].info.metadata.get("hash_seed", 0))
+        block_size, seed = self.pool.hashing()
         request = RoutingRequest(request_id, block_hashes(progress.prompt, block_size, seed), len(progress.prompt))
         try:
             return self.pool.connections[self.pool.prefill_router.select(request, candidates).worker]
@@ -98,7 +96,7 @@ class RemotePrefill:
         try:
             conn.send(p.generate_message(request_id, progress.prompt, progress.params, None, 0,
                                          max(0.0, deadline - time.monotonic()), prefill_only=True))
-            msg = await _next(queue, deadline)
+            msg = await next_message(queue, deadline)
             answered = msg is not None
             if msg is None:
                 progress.finished = True
@@ -112,7 +110,7 @@ class RemotePrefill:
             self.pool.prefill_router.on_finished(request_id)
             conn.close_stream(request_id)
             if not answered and worker in self.pool.connections:
-                _send_quietly(conn, {"type": p.ABORT, "request_id": request_id})
+                conn.send_quietly({"type": p.ABORT, "request_id": request_id})
 
     def _result(self, worker: str, request_id: str, msg: dict[str, Any], progress: _Progress) -> RequestOutput | str:
         if msg is LOST or msg["type"] == p.ERROR and msg.get("code") in (p.INTERNAL, p.OVERLOADED):
@@ -131,17 +129,3 @@ class RemotePrefill:
             progress.kv_handle = handle
             self._holders[request_id] = worker
         return dataclasses.replace(out, finished=False, finish_reason=None, held_block_ids=[])
-
-
-async def _next(queue: asyncio.Queue, deadline: float) -> dict[str, Any] | None:
-    try:
-        return await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
-    except TimeoutError:
-        return None
-
-
-def _send_quietly(conn: WorkerConnection, message: dict[str, Any]) -> None:
-    try:
-        conn.send(message)
-    except zmq.ZMQError as exc:  # the worker's hold times out on its own
-        log.debug("could not send to %s: %s", conn.worker_id, exc)

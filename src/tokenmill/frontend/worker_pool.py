@@ -59,6 +59,13 @@ class WorkerConnection:
     def send(self, message: dict[str, Any]) -> None:
         self.socket.send(p.pack(message), flags=zmq.NOBLOCK)
 
+    def send_quietly(self, message: dict[str, Any]) -> None:
+        """`send` for what may be lost (an abort, a release): the worker times it out itself."""
+        try:
+            self.send(message)
+        except zmq.ZMQError as exc:
+            log.debug("could not send to %s: %s", self.worker_id, exc)
+
     def open_stream(self, request_id: str) -> asyncio.Queue[dict[str, Any]]:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.streams[request_id] = queue
@@ -140,6 +147,12 @@ class WorkerPool:
     def router_for(self, role: str) -> Router:
         return self.prefill_router if role == "prefill" else self.router
 
+    def hashing(self) -> tuple[int, int]:
+        """Block size and hash seed the workers cache with (every worker of a deployment agrees)."""
+        for conn in self.connections.values():
+            return int(conn.info.metadata.get("block_size", 16)), int(conn.info.metadata.get("hash_seed", 0))
+        return 16, 0
+
     def in_pool(self, prefill: bool) -> list[str]:
         """Live workers of the prefill pool, or of the decode/aggregated pool."""
         return [w for w, c in self.connections.items() if (c.info.role == "prefill") == prefill]
@@ -176,3 +189,11 @@ class WorkerPool:
                 self.refresh()
             except OSError as exc:
                 log.warning("discovery poll failed: %s", exc)
+
+
+async def next_message(queue: asyncio.Queue[dict[str, Any]], deadline: float) -> dict[str, Any] | None:
+    """The stream's next frame, or None once `deadline` (time.monotonic) has passed."""
+    try:
+        return await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        return None

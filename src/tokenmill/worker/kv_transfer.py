@@ -190,7 +190,10 @@ class KVTransferService:
             return "checksum: the received KV does not match the prefill worker's"
         return None
 
-    def _plan_pull(self, handle: dict[str, Any], plan: ImportPlan):
+    def _plan_pull(self, handle: dict[str, Any], plan: ImportPlan,
+                   ) -> tuple[str | None, list[Descriptor], list[Descriptor], list[int]]:
+        """(peer, source, destination, expected checksums); peer None when there is nothing to
+        move (mock engines). ValueError/KeyError/TypeError for a handle that does not fit."""
         remote_ids = [int(b) for b in handle["block_ids"]][plan.first_block:]
         expected = [int(c) for c in handle["checksums"]][plan.first_block:]
         if len(remote_ids) != len(plan.block_ids):
