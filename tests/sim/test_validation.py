@@ -1,12 +1,15 @@
 """Silicon (held-out subset) and published-figure validation."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from tokenmill.sim.fit import summarise
+from tokenmill.sim.fit import MIN_ROWS_PER_MODEL, fit_ttft_by_model, summarise
 from tokenmill.sim.paths import silicon_csv
 from tokenmill.sim.published import deepseek_b200_max_throughput, deepseek_gb200_disagg, gb200_alltoall
 from tokenmill.sim.silicon import load_silicon
-from tokenmill.sim.tuning import load_fitted
+from tokenmill.sim.predict import predict_rows
+from tokenmill.sim.tuning import TTFT_FIELDS, Tuning, load_fitted, pick_tuning
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +26,36 @@ def test_silicon_coverage_and_split(silicon):
 
 
 def test_held_out_subset_errors(silicon):
-    # Every 3rd held-out row keeps the test fast. TPOT meets the issue's 15% target (the full held-out
-    # half is at ~14.2% in `sim validate`); TTFT is guarded at 36% (target 25%: not met, ~33.5%).
+    # Every 3rd held-out row keeps the test fast; the issue's targets are 15% (TPOT) and 25% (TTFT).
+    # The whole held-out half is at ~14.7% / ~22.3% in `sim validate`; this third at ~13.9% / ~23.0%.
     held = [r for r in silicon.rows if r.held_out][::3]
     s = summarise(held, load_fitted())
     assert s.tpot_median_abs <= 0.15
-    assert s.ttft_median_abs <= 0.36
+    assert s.ttft_median_abs <= 0.25
+
+
+def test_per_model_ttft_fields_change_only_aggregated_ttft(silicon):
+    fitted = load_fitted()
+    key = "trtllm/gpt-oss-120b"
+    assert key in fitted, sorted(fitted)
+    framework, specific = fitted["trtllm"], fitted[key]
+    assert any(getattr(framework, f) != getattr(specific, f) for f in TTFT_FIELDS)
+    assert replace(specific, **{f: getattr(framework, f) for f in TTFT_FIELDS}) == framework
+    rows = [r for r in silicon.rows if r.backend == "trtllm" and r.model == "gpt-oss-120b" and r.mode == "agg"][:20]
+    with_model = predict_rows(rows, fitted)
+    without = predict_rows(rows, {"trtllm": framework})
+    np.testing.assert_array_equal(with_model.tpot_ms, without.tpot_ms)
+    assert not np.allclose(with_model.ttft_ms, without.ttft_ms)
+    measured = np.array([r.ttft_ms for r in rows])
+    # The pair's own fields fit its rows better than the framework's (gpt-oss's first token is ~40 ms).
+    assert np.median(np.abs(np.log(with_model.ttft_ms / measured))) < np.median(np.abs(np.log(without.ttft_ms / measured)))
+
+
+def test_pick_tuning_falls_back_from_model_to_framework_to_default():
+    fitted = load_fitted()
+    assert pick_tuning(fitted, "trtllm", "no-such-model") == fitted["trtllm"]
+    assert pick_tuning(fitted, "no-such-framework", "gpt-oss-120b") == fitted["default"]
+    assert pick_tuning({}, "trtllm", "gpt-oss-120b") == Tuning()
 
 
 def test_held_out_disaggregated_ttft(silicon):
@@ -56,3 +83,15 @@ def test_disaggregation_gain_on_gb200_and_its_trend():
     cases = deepseek_gb200_disagg()
     assert all(c.passed for c in cases), [(c.name, c.value) for c in cases]
     assert np.isfinite([c.value for c in cases]).all()
+
+
+def test_fit_ttft_by_model_uses_aggregated_training_rows_only(silicon):
+    stored = load_fitted()
+    framework = {"trtllm": stored["trtllm"]}
+    train = [r for r in silicon.rows if not r.held_out and r.backend == "trtllm" and r.model == "gpt-oss-120b"]
+    fitted = fit_ttft_by_model(train, framework, rounds=1)
+    assert set(fitted) == {"trtllm/gpt-oss-120b"}
+    tuning = fitted["trtllm/gpt-oss-120b"]
+    assert replace(tuning, **{f: getattr(stored["trtllm"], f) for f in TTFT_FIELDS}) == stored["trtllm"]
+    assert fit_ttft_by_model([r for r in train if r.mode == "disagg"], framework) == {}
+    assert fit_ttft_by_model(train[:MIN_ROWS_PER_MODEL - 1], framework) == {}

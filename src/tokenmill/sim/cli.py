@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--out", type=Path, required=True)
     val = sub.add_parser("validate", help="every validation case, with error and pass/fail")
     val.add_argument("--data", default=None, help="shared data dir or silicon CSV path")
-    val.add_argument("--refit", action="store_true", help="refit tunings on the training split first")
+    val.add_argument("--refit", nargs="?", const="all", choices=("all", "ttft"), default=None,
+                     help="refit on the training split first: every tuning (all), or only the per-model TTFT fields "
+                          "on top of the stored framework tunings (ttft)")
     val.add_argument("--fitted-out", type=Path, default=None, help="where --refit writes (default: package data)")
     val.add_argument("--json", dest="json_out", type=Path, default=None)
     cal = sub.add_parser("calibrate", help="measure this machine into a cpu-local GPU entry")

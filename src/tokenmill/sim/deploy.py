@@ -16,7 +16,7 @@ from tokenmill.sim.tuning import tuning_for
 
 def make_context(model: str, gpu: str, precision: str = "fp8", kv: str | None = None, backend: str | None = None) -> OpContext:
     m = get_model(model)
-    return OpContext(m, get_gpu(gpu), PrecisionPlan.named(precision, kv, moe=m.is_moe), tuning_for(backend))
+    return OpContext(m, get_gpu(gpu), PrecisionPlan.named(precision, kv, moe=m.is_moe), tuning_for(backend, m.name))
 
 
 @dataclass(slots=True, frozen=True)

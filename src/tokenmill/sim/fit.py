@@ -1,15 +1,16 @@
-"""Fit per-backend Tuning on training rows by coordinate descent on median absolute log error."""
+"""Fit per-backend Tuning (and per backend+model TTFT fields) on training rows by coordinate descent on
+median absolute log error."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from tokenmill.sim.predict import predict_rows
 from tokenmill.sim.silicon import SiliconRow
-from tokenmill.sim.tuning import Tuning
+from tokenmill.sim.tuning import TTFT_FIELDS, Tuning, model_key
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,13 @@ SEARCH_SPACE: tuple[tuple[str, tuple[float, ...]], ...] = (
     ("prefill_in_tpot", (0.0, 0.25, 0.5, 0.75, 1.0)),
     ("wave_fraction", (0.0, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)),
     ("ttft_steps", (0.0, 1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0)),
-    ("ttft_overhead_s", (0.0, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25)),
+    ("ttft_overhead_s", (0.0, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.35)),
 )
+
+
+# A framework+model pair gets its own TTFT fields only with this many training rows.
+MIN_ROWS_PER_MODEL = 10
+TTFT_SEARCH_SPACE = tuple((f, v) for f, v in SEARCH_SPACE if f in TTFT_FIELDS)
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,19 +62,45 @@ def _loss(rows: Sequence[SiliconRow], tuning: Tuning, backend: str) -> float:
     return float(2 * np.median(np.abs(np.log(pred.tpot_ms / tpot))) + np.median(np.abs(np.log(pred.ttft_ms / ttft))))
 
 
-def fit_backend(rows: Sequence[SiliconRow], backend: str, start: Tuning | None = None, rounds: int = 2) -> Tuning:
+def _ttft_loss(rows: Sequence[SiliconRow], tuning: Tuning, backend: str) -> float:
+    pred = predict_rows(rows, {backend: tuning})
+    return float(np.median(np.abs(np.log(pred.ttft_ms / np.array([r.ttft_ms for r in rows])))))
+
+
+def _descend(rows: Sequence[SiliconRow], backend: str, start: Tuning, space: tuple[tuple[str, tuple[float, ...]], ...],
+             loss_fn: Callable[[Sequence[SiliconRow], Tuning, str], float], rounds: int) -> Tuning:
     """Coordinate descent: each round tries every candidate of every field, keeping improvements."""
-    best = start or Tuning()
-    best_loss = _loss(rows, best, backend)
+    best, best_loss = start, loss_fn(rows, start, backend)
     for round_no in range(rounds):
-        for field, candidates in SEARCH_SPACE:
+        for field, candidates in space:
             for value in candidates:
                 trial = best.replace(**{field: value})
-                loss = _loss(rows, trial, backend)
+                loss = loss_fn(rows, trial, backend)
                 if loss < best_loss - 1e-6:
                     best, best_loss = trial, loss
-        log.info("fit %s round %d: loss %.4f", backend, round_no, best_loss)
+        log.debug("fit %s round %d: loss %.4f", backend, round_no, best_loss)
     return best
+
+
+def fit_backend(rows: Sequence[SiliconRow], backend: str, start: Tuning | None = None, rounds: int = 2) -> Tuning:
+    """Every field of one framework's Tuning, on its rows (TPOT and TTFT loss)."""
+    return _descend(rows, backend, start or Tuning(), SEARCH_SPACE, _loss, rounds)
+
+
+def fit_ttft_by_model(train: Sequence[SiliconRow], fitted: dict[str, Tuning], rounds: int = 2) -> dict[str, Tuning]:
+    """"backend/model" -> the backend's Tuning with TTFT_FIELDS refitted on that pair's aggregated rows (TTFT loss only).
+
+    They describe the aggregated engine's first-token path; a disaggregated deployment's TTFT is the prefill
+    pool's, so its rows keep the framework's values (as do pairs with fewer than MIN_ROWS_PER_MODEL rows).
+    """
+    pairs: dict[tuple[str, str], list[SiliconRow]] = {}
+    for r in (r for r in train if r.mode == "agg"):
+        pairs.setdefault((r.backend, r.model), []).append(r)
+    out: dict[str, Tuning] = {}
+    for (backend, model), rows in sorted(pairs.items()):
+        if len(rows) >= MIN_ROWS_PER_MODEL and backend in fitted:
+            out[model_key(backend, model)] = _descend(rows, backend, fitted[backend], TTFT_SEARCH_SPACE, _ttft_loss, rounds)
+    return out
 
 
 def fit_all(train: Sequence[SiliconRow], rounds: int = 2, start: dict[str, Tuning] | None = None) -> dict[str, Tuning]:
@@ -83,4 +115,4 @@ def fit_all(train: Sequence[SiliconRow], rounds: int = 2, start: dict[str, Tunin
         fitted[backend] = fit_backend([r for r in train if r.backend == backend], backend, start=start.get(backend), rounds=rounds)
     # The default (used for search/estimate without a named backend) is TensorRT-LLM's fit when present.
     fitted["default"] = fitted.get("trtllm", next(iter(fitted.values()), Tuning()))
-    return fitted
+    return fitted | fit_ttft_by_model(train, fitted, rounds)

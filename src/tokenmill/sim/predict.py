@@ -15,7 +15,7 @@ from tokenmill.sim.parallel import Parallel
 from tokenmill.sim.precision import PrecisionPlan
 from tokenmill.sim.serving import Workload, aggregated
 from tokenmill.sim.silicon import Layout, SiliconRow
-from tokenmill.sim.tuning import Tuning
+from tokenmill.sim.tuning import Tuning, pick_tuning
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,7 +50,7 @@ def _predict_disagg(c: OpContext, w: Workload, rows: list[SiliconRow]) -> tuple[
 
 def predict_rows(rows: Sequence[SiliconRow], tunings: dict[str, Tuning], models: dict[str, ModelConfig] | None = None,
                  gpus: dict[str, GpuSpec] | None = None) -> Predictions:
-    """TTFT/TPOT in ms for each row, in row order; `tunings` maps backend -> Tuning."""
+    """TTFT/TPOT in ms for each row, in row order; `tunings` maps backend (or "backend/model") -> Tuning."""
     models = models if models is not None else {}
     gpus = gpus if gpus is not None else {}
     groups: dict[tuple, list[int]] = defaultdict(list)
@@ -60,7 +60,7 @@ def predict_rows(rows: Sequence[SiliconRow], tunings: dict[str, Tuning], models:
     for (backend, model, gpu, precision, mode, isl, osl), idx in groups.items():
         m = models.setdefault(model, get_model(model))
         g = gpus.setdefault(gpu, get_gpu(gpu))
-        c = OpContext(m, g, PrecisionPlan.named(precision, moe=m.is_moe), tunings.get(backend, tunings.get("default", Tuning())))
+        c = OpContext(m, g, PrecisionPlan.named(precision, moe=m.is_moe), pick_tuning(tunings, backend, model if mode == "agg" else None))
         members = [rows[i] for i in idx]
         fn = _predict_disagg if mode == "disagg" else _predict_agg
         group_ttft, group_tpot = fn(c, Workload(isl, osl), members)

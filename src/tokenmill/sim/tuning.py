@@ -3,6 +3,12 @@
 The GPU catalog holds hardware numbers; these hold what the software adds on top: per-step CPU
 overhead, how close its kernels get to the hardware curves, and how its scheduler batches prefill.
 `data/fitted.json` is written by `tokenmill sim validate --refit` (training rows only).
+
+A framework's first-token path also differs by model (DeepSeek's first token takes ~150 ms more than
+gpt-oss's at concurrency 4 on every framework measured), so the fit stores, per framework and model
+with enough aggregated training rows, its own values of the TTFT-only fields (`TTFT_FIELDS`), keyed
+"backend/model"; they replace the framework's values for that model in aggregated serving and leave every
+TPOT term alone.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from importlib import resources
 from pathlib import Path
 
 FITTED_FILE = "data/fitted.json"
+# Fields that only enter time-to-first-token (the first-token path and how waiting prompts queue).
+TTFT_FIELDS = ("ttft_overhead_s", "ttft_steps", "wave_fraction")
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,19 +78,37 @@ class Tuning:
 
 
 def load_fitted(path: Path | None = None) -> dict[str, Tuning]:
-    """Backend name -> fitted Tuning; empty when no fit has been stored."""
+    """Backend name -> fitted Tuning, plus "backend/model" -> that Tuning with the model's TTFT fields.
+
+    Empty when no fit has been stored.
+    """
     if path is not None:
         text = Path(path).read_text() if Path(path).exists() else "{}"
     else:
         res = resources.files("tokenmill.sim").joinpath(FITTED_FILE)
         text = res.read_text() if res.is_file() else "{}"
     raw = json.loads(text)
-    return {k: Tuning(**v) for k, v in raw.get("backends", {}).items()}
+    table = {k: Tuning(**v) for k, v in raw.get("backends", {}).items()}
+    for key, fields in raw.get("models", {}).items():
+        backend = key.partition("/")[0]
+        if backend in table:
+            table[key] = table[backend].replace(**{f: fields[f] for f in TTFT_FIELDS if f in fields})
+    return table
 
 
-def tuning_for(backend: str | None = None, fitted: dict[str, Tuning] | None = None) -> Tuning:
-    """The fitted tuning of a backend, falling back to the `default` fit, then to the priors."""
-    table = load_fitted() if fitted is None else fitted
+def model_key(backend: str, model: str) -> str:
+    return f"{backend}/{model}"
+
+
+def pick_tuning(table: dict[str, Tuning], backend: str | None, model: str | None = None) -> Tuning:
+    """The most specific fit: backend and model, then backend, then `default`, then the priors."""
+    if backend and model and model_key(backend, model) in table:
+        return table[model_key(backend, model)]
     if backend and backend in table:
         return table[backend]
     return table.get("default", Tuning())
+
+
+def tuning_for(backend: str | None = None, model: str | None = None, fitted: dict[str, Tuning] | None = None) -> Tuning:
+    """The fitted tuning of a backend (and model, where the fit has one), falling back as `pick_tuning` does."""
+    return pick_tuning(load_fitted() if fitted is None else fitted, backend, model)

@@ -8,12 +8,12 @@ from importlib import resources
 from pathlib import Path
 
 from tokenmill.sim.accounting import active_params, kv_bytes_per_token, total_params
-from tokenmill.sim.fit import ErrorSummary, fit_all, summarise
+from tokenmill.sim.fit import ErrorSummary, fit_all, fit_ttft_by_model, summarise
 from tokenmill.sim.models import get_model
 from tokenmill.sim.paths import silicon_csv
 from tokenmill.sim.published import Case, published_cases
 from tokenmill.sim.silicon import SiliconRow, load_silicon
-from tokenmill.sim.tuning import FITTED_FILE, Tuning, load_fitted
+from tokenmill.sim.tuning import FITTED_FILE, TTFT_FIELDS, Tuning, load_fitted
 
 log = logging.getLogger(__name__)
 TPOT_TARGET, TTFT_TARGET = 0.15, 0.25
@@ -71,23 +71,32 @@ def silicon_cases(held: ErrorSummary) -> list[Case]:
             Case("silicon", f"TTFT median |err| ({held.rows} held-out rows)", held.ttft_median_abs, TTFT_TARGET, 0.0, src, "at_most")]
 
 
-def _refit(train: list[SiliconRow], out: Path | None) -> dict[str, Tuning]:
-    fitted = fit_all(train, start=load_fitted())
+def _refit(train: list[SiliconRow], out: Path | None, scope: str = "all") -> dict[str, Tuning]:
+    stored = load_fitted()
+    if scope == "ttft":
+        backends = {k: v for k, v in stored.items() if "/" not in k}
+        fitted = backends | fit_ttft_by_model(train, backends)
+    elif scope == "all":
+        fitted = fit_all(train, start=stored)
+    else:
+        raise ValueError(f"validate: field refit must be 'all' or 'ttft', not {scope!r}")
     path = out or Path(str(resources.files("tokenmill.sim").joinpath(FITTED_FILE)))
     body = {"_comment": "Written by `tokenmill sim validate --refit`: per-backend Tuning fitted on the training half "
-                        "(crc32(id) % 10 < 5) of silicon_measured.csv; held-out rows are never used here.",
-            "backends": {k: v.to_dict() for k, v in fitted.items()}}
+                        "(crc32(id) % 10 < 5) of silicon_measured.csv, and per backend/model the TTFT-only fields "
+                        "refitted on that pair's training rows; held-out rows are never used here.",
+            "backends": {k: v.to_dict() for k, v in fitted.items() if "/" not in k},
+            "models": {k: {f: getattr(v, f) for f in TTFT_FIELDS} for k, v in fitted.items() if "/" in k}}
     Path(path).write_text(json.dumps(body, indent=1) + "\n")
     log.info("wrote fitted tunings to %s", path)
     return fitted
 
 
-def run_validation(data: str | None = None, refit: bool = False, fitted_out: Path | None = None,
+def run_validation(data: str | None = None, refit: str | None = None, fitted_out: Path | None = None,
                    include_slow: bool = True) -> ValidationResult:
     silicon = load_silicon(silicon_csv(data))
     train = [r for r in silicon.rows if not r.held_out]
     test = [r for r in silicon.rows if r.held_out]
-    fitted = _refit(train, fitted_out) if refit else load_fitted()
+    fitted = _refit(train, fitted_out, refit) if refit else load_fitted()
     held = summarise(test, fitted)
     by_mode = {mode: summarise([r for r in test if r.mode == mode], fitted) for mode in ("agg", "disagg")}
     cases = accounting_cases() + silicon_cases(held) + published_cases(include_slow)
