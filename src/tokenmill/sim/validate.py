@@ -83,7 +83,7 @@ def _refit(train: list[SiliconRow], out: Path | None, scope: str = "all") -> dic
     path = out or Path(str(resources.files("tokenmill.sim").joinpath(FITTED_FILE)))
     body = {"_comment": "Written by `tokenmill sim validate --refit`: per-backend Tuning fitted on the training half "
                         "(crc32(id) % 10 < 5) of silicon_measured.csv, and per backend/model the TTFT-only fields "
-                        "refitted on that pair's training rows; held-out rows are never used here.",
+                        "refitted on that pair's aggregated training rows; held-out rows are never used here.",
             "backends": {k: v.to_dict() for k, v in fitted.items() if "/" not in k},
             "models": {k: {f: getattr(v, f) for f in TTFT_FIELDS} for k, v in fitted.items() if "/" in k}}
     Path(path).write_text(json.dumps(body, indent=1) + "\n")
