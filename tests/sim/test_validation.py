@@ -56,6 +56,9 @@ def test_pick_tuning_falls_back_from_model_to_framework_to_default():
     assert pick_tuning(fitted, "trtllm", "no-such-model") == fitted["trtllm"]
     assert pick_tuning(fitted, "no-such-framework", "gpt-oss-120b") == fitted["default"]
     assert pick_tuning({}, "trtllm", "gpt-oss-120b") == Tuning()
+    # Without a framework, the default fit is TensorRT-LLM's, and so are the model's TTFT fields.
+    assert pick_tuning(fitted, None, "gpt-oss-120b") == fitted["trtllm/gpt-oss-120b"]
+    assert pick_tuning(fitted, None) == fitted["default"] == fitted["trtllm"]
 
 
 def test_held_out_disaggregated_ttft(silicon):

@@ -14,7 +14,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", required=True, help="h100 h200 b200 b300 gb200 gb300 cpu-local")
     p.add_argument("--precision", default="fp8", help="bf16 | fp8 | fp4 (weights/activations; KV fp8 unless bf16)")
     p.add_argument("--kv-precision", default=None, help="override the KV-cache format")
-    p.add_argument("--backend", default=None, help="use this framework's fitted tuning (trtllm, vllm, sglang)")
+    p.add_argument("--backend", default=None, help="use this framework's fitted tuning (trtllm, vllm, sglang; default trtllm)")
     p.add_argument("--isl", type=int, required=True, help="input tokens per request")
     p.add_argument("--osl", type=int, required=True, help="output tokens per request")
     p.add_argument("--mtp", type=int, default=0, help="multi-token-prediction draft tokens per step")

@@ -10,7 +10,7 @@ import numpy as np
 
 from tokenmill.sim.predict import predict_rows
 from tokenmill.sim.silicon import SiliconRow
-from tokenmill.sim.tuning import TTFT_FIELDS, Tuning, model_key
+from tokenmill.sim.tuning import DEFAULT_BACKEND, TTFT_FIELDS, Tuning, model_key
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def fit_ttft_by_model(train: Sequence[SiliconRow], fitted: dict[str, Tuning], ro
 
 
 def fit_all(train: Sequence[SiliconRow], rounds: int = 2, start: dict[str, Tuning] | None = None) -> dict[str, Tuning]:
-    """One Tuning per backend present in `train`, plus `default` fitted on every row.
+    """One Tuning per backend present in `train`, `default` (DEFAULT_BACKEND's), and per-model TTFT fields.
 
     `start` warm-starts each backend from a previous fit (coordinate descent on a median loss is
     greedy, so a refit after a model change keeps what the last one found instead of restarting).
@@ -113,6 +113,5 @@ def fit_all(train: Sequence[SiliconRow], rounds: int = 2, start: dict[str, Tunin
     start = start or {}
     for backend in sorted({r.backend for r in train}):
         fitted[backend] = fit_backend([r for r in train if r.backend == backend], backend, start=start.get(backend), rounds=rounds)
-    # The default (used for search/estimate without a named backend) is TensorRT-LLM's fit when present.
-    fitted["default"] = fitted.get("trtllm", next(iter(fitted.values()), Tuning()))
+    fitted["default"] = fitted.get(DEFAULT_BACKEND, next(iter(fitted.values()), Tuning()))
     return fitted | fit_ttft_by_model(train, fitted, rounds)

@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 FITTED_FILE = "data/fitted.json"
+DEFAULT_BACKEND = "trtllm"  # whose fit is stored as `default` (estimate/search without --backend)
 # Fields that only enter time-to-first-token (the first-token path and how waiting prompts queue).
 TTFT_FIELDS = ("ttft_overhead_s", "ttft_steps", "wave_fraction")
 
@@ -101,10 +102,14 @@ def model_key(backend: str, model: str) -> str:
 
 
 def pick_tuning(table: dict[str, Tuning], backend: str | None, model: str | None = None) -> Tuning:
-    """The most specific fit: backend and model, then backend, then `default`, then the priors."""
-    if backend and model and model_key(backend, model) in table:
+    """The most specific fit: backend and model, then backend, then `default`, then the priors.
+
+    No backend means DEFAULT_BACKEND, the framework the `default` fit is a copy of.
+    """
+    backend = backend or DEFAULT_BACKEND
+    if model and model_key(backend, model) in table:
         return table[model_key(backend, model)]
-    if backend and backend in table:
+    if backend in table:
         return table[backend]
     return table.get("default", Tuning())
 
