@@ -6,7 +6,8 @@ import pytest
 
 from tokenmill.sim.fit import MIN_ROWS_PER_MODEL, fit_ttft_by_model, summarise
 from tokenmill.sim.paths import silicon_csv
-from tokenmill.sim.published import deepseek_b200_max_throughput, deepseek_gb200_disagg, gb200_alltoall
+from tokenmill.sim.published import (deepseek_b200_max_throughput, deepseek_b200_min_latency, deepseek_gb200_disagg,
+                                     gb200_alltoall)
 from tokenmill.sim.silicon import load_silicon
 from tokenmill.sim.predict import predict_rows
 from tokenmill.sim.tuning import TTFT_FIELDS, Tuning, load_fitted, pick_tuning
@@ -75,6 +76,13 @@ def test_fitted_tunings_exist_for_each_backend():
 @pytest.mark.parametrize("case", gb200_alltoall(), ids=lambda c: c.name)
 def test_gb200_alltoall_within_30_percent(case):
     assert case.passed, f"{case.name}: {case.value:.1f} vs {case.target}"
+
+
+def test_blog1_final_min_latency_figure_with_mtp3():
+    no_mtp, mtp3 = deepseek_b200_min_latency()
+    assert mtp3.passed, f"{mtp3.value:.0f} vs {mtp3.target:.0f}"
+    # Three draft layers cost time per step, so tokens/s/user grows by less than the acceptance rate.
+    assert no_mtp.value < mtp3.value < 3.10 * no_mtp.value
 
 
 def test_attention_dp_beats_attention_tp_at_max_throughput():

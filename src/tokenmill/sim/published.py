@@ -43,12 +43,22 @@ class Case:
         return abs(self.error) <= self.tolerance
 
 
-def deepseek_b200_min_latency() -> Case:
-    # The blog's min-latency recipe: NVFP4 MoE and dense FFN, attention and KV cache in BF16.
+def deepseek_b200_min_latency() -> list[Case]:
+    """Blog 1's min-latency recipe: NVFP4 MoE and dense FFN, attention and KV cache in BF16, TP8, batch 1.
+
+    The issue's figure (111, no MTP) is from the blog's MTP table, measured at its 253-TPS stage; the blog's
+    later kernel work took MTP3 from 253 to 340 TPS (1.34x) before relaxed acceptance (3.10) gave its final
+    368. That final figure is checked too, so the model is compared with both software states.
+    """
     c = make_context("deepseek-r1", "b200", "fp4", kv="bf16", backend="trtllm")
-    r = aggregated(c, Parallel.of(8, 1, 1, 1), Workload(1024, 2048), np.array([1.0]))
-    return Case("published", "DS-R1 8xB200 TP8 b1 1K/2K tok/s/user", float(r.tps_per_user[0]), 111.0, 0.25,
-                "TensorRT-LLM tech blog 1 (no MTP)")
+    src = "TensorRT-LLM tech blog 1"
+    out = []
+    for label, w, target in (("no MTP", Workload(1024, 2048), 111.0),
+                             ("MTP3, acceptance 3.10 (the blog's final figure)", Workload(1024, 2048, 3, 3.10), 368.0)):
+        r = aggregated(c, Parallel.of(8, 1, 1, 1), w, np.array([1.0]))
+        out.append(Case("published", f"DS-R1 8xB200 TP8 b1 1K/2K {label} tok/s/user", float(r.tps_per_user[0]), target,
+                        0.25, src))
+    return out
 
 
 def max_throughput(layout: Parallel, gpu: str = "b200") -> float:
@@ -110,7 +120,7 @@ def gb200_alltoall() -> list[Case]:
 
 
 def published_cases(include_slow: bool = True) -> list[Case]:
-    cases = [deepseek_b200_min_latency(), *deepseek_b200_max_throughput(), *gb200_alltoall()]
+    cases = [*deepseek_b200_min_latency(), *deepseek_b200_max_throughput(), *gb200_alltoall()]
     if include_slow:
         cases += deepseek_gb200_disagg()
     return cases
