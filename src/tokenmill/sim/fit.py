@@ -94,8 +94,9 @@ def fit_ttft_by_model(train: Sequence[SiliconRow], fitted: dict[str, Tuning], ro
     pool's, so its rows keep the framework's values (as do pairs with fewer than MIN_ROWS_PER_MODEL rows).
     """
     pairs: dict[tuple[str, str], list[SiliconRow]] = {}
-    for r in (r for r in train if r.mode == "agg"):
-        pairs.setdefault((r.backend, r.model), []).append(r)
+    for r in train:
+        if r.mode == "agg":
+            pairs.setdefault((r.backend, r.model), []).append(r)
     out: dict[str, Tuning] = {}
     for (backend, model), rows in sorted(pairs.items()):
         if len(rows) >= MIN_ROWS_PER_MODEL and backend in fitted:
