@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 MODEL ?= .models/small-moe
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve clean
+.PHONY: install system-packages test serve clean
 
 install: $(STAMP)
 
@@ -15,7 +15,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-test: install
+system-packages:
+	bash scripts/system-packages.sh
+
+test: install system-packages
 	$(BIN)/python -m pytest
 
 $(MODEL)/config.json: | install

@@ -10,8 +10,9 @@ from tokenmill.bench.prompt_synth import (
     HashBlockSynth, SyntheticShape, TokenSpace, poisson_arrivals, synthetic_requests,
 )
 from tokenmill.bench.trace_replay import TraceFit, read_trace, trace_requests
+from tokenmill.datasets import MOONCAKE_TRACE, data_file
 
-REAL_TRACE = Path("/work/shared/data/traces/mooncake_synthetic_trace.jsonl")
+REAL_TRACE = data_file(MOONCAKE_TRACE)
 SPACE = TokenSpace(vocab_size=2048, min_id=3)
 
 

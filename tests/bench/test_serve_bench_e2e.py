@@ -11,8 +11,9 @@ import pytest
 from tests.serving.conftest import Server, start_server, stop_server
 from tokenmill.bench.serve_report import TOP_LEVEL_KEYS
 from tokenmill.cli import main
+from tokenmill.datasets import MOONCAKE_TRACE, data_file
 
-REAL_TRACE = Path("/work/shared/data/traces/mooncake_synthetic_trace.jsonl")
+REAL_TRACE = data_file(MOONCAKE_TRACE)
 # records 42 and 49 of the real trace share 57 hash blocks: replayed after the first ten, they must hit the cache
 TRACE_LINES = (*range(10), 42, 49)
 

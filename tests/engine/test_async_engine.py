@@ -1,5 +1,6 @@
 """The asyncio wrapper: concurrent streams, validation errors, and abort on cancellation."""
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -40,13 +41,21 @@ def test_validation_error_reaches_the_caller_and_cancel_aborts(tiny_dense: Path)
         try:
             with pytest.raises(ValueError, match="prompt"):
                 await _collect(engine, "bad", [], SamplingParams())
-            task = asyncio.create_task(_collect(engine, "long", [5] * 20,
-                                                SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)))
-            await asyncio.sleep(0.3)
+            first_token = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in engine.generate("long", [5] * 20, SamplingParams(
+                        max_tokens=100_000, temperature=0.0, ignore_eos=True)):
+                    first_token.set()
+
+            # cancelled once streaming has begun; 100k tokens cannot finish first on any machine
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(first_token.wait(), timeout=120)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            for _ in range(50):
+            deadline = time.monotonic() + 60  # the abort lands at the next engine step
+            while time.monotonic() < deadline:
                 stats = await engine.stats()
                 if stats.num_running == 0 and stats.kv_usage == 0.0:
                     break

@@ -44,12 +44,12 @@ from tokenmill.bench.prompt_synth import HashBlockSynth, RequestSpec, TokenSpace
 from tokenmill.bench.serve_process import ServeProcess, running_server
 from tokenmill.bench.serve_stats import SLO, summarize
 from tokenmill.bench.trace_replay import TraceFit, read_trace, trace_requests
+from tokenmill.datasets import MOONCAKE_TRACE, data_dir
 
 log = logging.getLogger(__name__)
 
 SCHEMA_NAME, SCHEMA_VERSION = "tokenmill.bench.router_replay", 1
 POLICIES = ("kv", "kv-approx", "round-robin", "random", "least-loaded")
-DEFAULT_TRACE = "../shared/data/traces/mooncake_synthetic_trace.jsonl"
 DEFAULT_STEP_TIME = "0.002,0.00025,0.0002,0.0000001"
 TARGET_RATIO = 2.0
 SERVED_NAME = "router-replay"
@@ -76,7 +76,8 @@ class PolicyResult:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint dir (only config + tokenizer are read)")
-    parser.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
+    parser.add_argument("--trace", default=str(data_dir() / MOONCAKE_TRACE),
+                        help="Mooncake-format JSONL trace (default: the shipped Mooncake trace)")
     parser.add_argument("--policies", default="kv,round-robin,random", help=f"comma list of {', '.join(POLICIES)}")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--json", dest="json_path", metavar="OUT", help="write results here")

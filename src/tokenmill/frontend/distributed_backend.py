@@ -29,7 +29,7 @@ from tokenmill.engine.request import FINISH_ABORT, FINISH_ERROR, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.backend import BackendUnavailable, Overloaded
-from tokenmill.frontend.disagg import REMOTE, DisaggConfig, DisaggPolicy
+from tokenmill.router.disagg import REMOTE, DisaggConfig, DisaggPolicy
 from tokenmill.frontend.metrics import tier_gauges
 from tokenmill.frontend.prefill import RemotePrefill
 from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool, next_message

@@ -40,7 +40,7 @@ def router_policy(args: argparse.Namespace) -> str:
 
 
 def disagg_config(args: argparse.Namespace):
-    from tokenmill.frontend.disagg import DisaggConfig
+    from tokenmill.router.disagg import DisaggConfig
 
     return DisaggConfig(threshold_tokens=args.disagg_threshold, queue_limit=args.prefill_queue_limit)
 

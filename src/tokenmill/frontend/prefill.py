@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from tokenmill.engine.request import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
-from tokenmill.frontend.disagg import DisaggPolicy
+from tokenmill.router.disagg import DisaggPolicy
 from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool, next_message
 from tokenmill.kv.hashing import block_hashes
 from tokenmill.router.decision import RoutingRequest

@@ -2,7 +2,7 @@
 
 Modules: `indexer` (global KV index from KV events, gaps and snapshots), `approx`
 (index for engines without events), `load` (active prefill/decode blocks per worker),
-`cost` (overlap vs load, the decision's terms), `policies` (the `Router` facade and the
+`cost` (overlap vs load, the decision's terms), `disagg` (where a prompt is prefilled), `policies` (the `Router` facade and the
 `--router` policies), `stats` (metrics, events-stale alarm), `prefix_walk` (the hot loop).
 Start from `policies.Router`; its module docstring shows the whole call sequence.
 """

@@ -1,4 +1,4 @@
-"""`tokenmill sim`: estimate, search, report, validate, calibrate."""
+"""`tokenmill sim`: estimate, search, report, validate, calibrate, fleet."""
 from __future__ import annotations
 
 import argparse
@@ -35,12 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srch.add_argument("--ttft-ms", type=float, default=None)
     srch.add_argument("--itl-ms", type=float, default=None)
     srch.add_argument("--usd-per-gpu-hour", type=float, default=3.0)
+    srch.add_argument("--power-cap-kw", type=float, default=None,
+                      help="only deployments whose GPUs draw at most this (the catalog's power per GPU)")
     srch.add_argument("--json", dest="json_out", type=Path, default=None, help="write results to this JSON file")
     srch.add_argument("--plot", type=Path, default=None, help="write the frontier PNG here")
     rep = sub.add_parser("report", help="trend study: PNG plots + markdown summary")
     rep.add_argument("--out", type=Path, required=True)
     val = sub.add_parser("validate", help="every validation case, with error and pass/fail")
-    val.add_argument("--data", default=None, help="shared data dir or silicon CSV path")
+    val.add_argument("--data", default=None, help="data dir laid out like ../shared/data, or the silicon CSV itself (default: the shipped copy)")
     val.add_argument("--refit", nargs="?", const="all", choices=("all", "ttft"), default=None,
                      help="refit on the training split first: every tuning (all), or only the per-model TTFT fields "
                           "on top of the stored framework tunings (ttft)")
@@ -49,13 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal = sub.add_parser("calibrate", help="measure this machine into a cpu-local GPU entry")
     cal.add_argument("--out", type=Path, default=None, help="default ~/.cache/tokenmill/cpu-local.json")
     cal.add_argument("--quick", action="store_true", help="shorter measurements")
+    from tokenmill.sim.fleet import cli as fleet_cli
+
+    fleet_cli.add_arguments(sub)
 
 
 def run(args: argparse.Namespace) -> int:
     from tokenmill.sim import commands
+    from tokenmill.sim.fleet.cli import fleet_cmd
 
     handlers = {"estimate": commands.estimate_cmd, "search": commands.search_cmd, "report": commands.report_cmd,
-                "validate": commands.validate_cmd, "calibrate": commands.calibrate_cmd}
+                "validate": commands.validate_cmd, "calibrate": commands.calibrate_cmd, "fleet": fleet_cmd}
     try:
         return handlers[args.sim_command](args)
     except ValueError as exc:

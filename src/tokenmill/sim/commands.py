@@ -10,7 +10,7 @@ from tokenmill.sim.cli import dump_json
 from tokenmill.sim.deploy import estimate, make_context
 from tokenmill.sim.pareto import best_under_sla, pareto_mask, usd_per_million_tokens
 from tokenmill.sim.parallel import Parallel
-from tokenmill.sim.search import ModePoints, run_search
+from tokenmill.sim.search import ModePoints, SearchResult, run_search
 from tokenmill.sim.serving import Workload
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,12 @@ def _frontier(points: ModePoints, ttft_limit: float | None) -> list[dict[str, fl
 def search_cmd(args: argparse.Namespace) -> int:
     c = make_context(args.model, args.gpu, args.precision, args.kv_precision, args.backend)
     res = run_search(c, _workload(args), args.gpus)
+    if args.power_cap_kw is not None:
+        _apply_power_cap(res, c.gpu.power_w, args.power_cap_kw)
     ttft_s = args.ttft_ms / 1e3 if args.ttft_ms else None
     itl_s = args.itl_ms / 1e3 if args.itl_ms else None
     out: dict[str, object] = {"model": args.model, "gpu": args.gpu, "gpus": args.gpus, "isl": args.isl, "osl": args.osl,
+                              "power_cap_kw": args.power_cap_kw,
                               "points_evaluated": res.points_evaluated, "seconds": res.seconds,
                               "points_per_second": res.points_evaluated / res.seconds, "frontier": {}, "best": {}}
     for mode, points in (("agg", res.agg), ("disagg", res.disagg)):
@@ -70,6 +73,14 @@ def search_cmd(args: argparse.Namespace) -> int:
         _plot_search(out, args)
     _print_search(out)
     return 0
+
+
+def _apply_power_cap(res: SearchResult, watts_per_gpu: float, cap_kw: float) -> None:
+    """Power is a constraint, not the objective: designs drawing more than the cap are infeasible."""
+    if cap_kw <= 0:
+        raise ValueError(f"--power-cap-kw must be > 0, got {cap_kw:g}")
+    for points in (res.agg, res.disagg):
+        points.feasible = points.feasible & (points.detail["gpus"] * watts_per_gpu <= cap_kw * 1e3)
 
 
 def _plot_search(out: dict, args: argparse.Namespace) -> None:
@@ -117,7 +128,7 @@ def validate_cmd(args: argparse.Namespace) -> int:
     print_validation(result)
     if args.json_out:
         dump_json(result.to_json(), args.json_out)
-    return 0
+    return result.exit_code  # 1 when any check fails
 
 
 def calibrate_cmd(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from importlib import resources
@@ -14,8 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 CPU_LOCAL_NAME = "cpu-local"
 DEFAULT_CPU_LOCAL_PATH = Path("~/.cache/tokenmill/cpu-local.json")
+# A CPU box has no datasheet board power: energy figures for `cpu-local` use this share of a
+# 2-socket-class server (CPUs + DRAM under load). An assumption, stated in the entry's sources; the
+# user may edit `power_w` in cpu-local.json. Files written before the field existed get it too.
+CPU_LOCAL_DEFAULT_POWER_W = 200.0
+CPU_LOCAL_POWER_SOURCE = ("assumption: 200 W, the share of a 2-socket-class server (CPUs + DRAM under load); "
+                          "not measured, edit power_w in this file to your machine's figure")
 # Aliases used by the silicon CSV and by users.
 GPU_ALIASES: dict[str, str] = {
     "h100_sxm": "h100", "h200_sxm": "h200", "b200_sxm": "b200", "b300_sxm": "b300",
@@ -46,11 +54,12 @@ class GpuSpec:
     attn_eff: float
     mem_eff: float
     link_eff: float
+    power_w: float  # board power / TDP per GPU (GB200/GB300: the per-GPU share), for energy figures
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        for name in ("bf16_flops", "fp8_flops", "fp4_flops", "hbm_gb", "hbm_bw", "nvlink_bw", "scaleout_bw"):
-            if getattr(self, name) <= 0:
+        for name in ("bf16_flops", "fp8_flops", "fp4_flops", "hbm_gb", "hbm_bw", "nvlink_bw", "scaleout_bw", "power_w"):
+            if not getattr(self, name) > 0:  # `not >` also rejects NaN
                 raise ValueError(f"gpu {self.name}: field {name} must be > 0")
         if self.domain_size < 1:
             raise ValueError(f"gpu {self.name}: field domain_size must be >= 1")
@@ -75,10 +84,15 @@ class GpuSpec:
 
 
 def _spec_from_dict(name: str, entry: dict) -> GpuSpec:
-    known = {f.name for f in dataclasses.fields(GpuSpec)} - {"name"}
-    unknown = set(entry) - known
+    """Build a spec, naming unknown or missing fields (a bad catalog or calibration file is user input)."""
+    fields = [f for f in dataclasses.fields(GpuSpec) if f.name != "name"]
+    unknown = set(entry) - {f.name for f in fields}
     if unknown:
         raise ValueError(f"gpu {name}: unknown fields {sorted(unknown)}")
+    required = {f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    missing = required - set(entry)
+    if missing:
+        raise ValueError(f"gpu {name}: missing fields {sorted(missing)}")
     return GpuSpec(name=name, **entry)
 
 
@@ -93,8 +107,14 @@ def cpu_local_path() -> Path:
 
 
 def load_gpu_file(path: Path) -> GpuSpec:
+    """Read a calibration file (`cpu-local`); files written before `power_w` existed get the stated default."""
     entry = json.loads(Path(path).read_text())
     name = entry.pop("name", CPU_LOCAL_NAME)
+    if "power_w" not in entry:
+        log.warning("gpu %s: %s has no power_w; using %.0f W (an assumption: edit the file or rerun "
+                    "`tokenmill sim calibrate`)", name, path, CPU_LOCAL_DEFAULT_POWER_W)
+        entry["power_w"] = CPU_LOCAL_DEFAULT_POWER_W
+        entry["sources"] = {**entry.get("sources", {}), "power_w": f"{CPU_LOCAL_POWER_SOURCE} (defaulted: the file had none)"}
     return _spec_from_dict(name, entry)
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenmill.sim.hardware import CPU_LOCAL_NAME, GpuSpec, cpu_local_path
+from tokenmill.sim.hardware import (CPU_LOCAL_DEFAULT_POWER_W, CPU_LOCAL_NAME, CPU_LOCAL_POWER_SOURCE, GpuSpec,
+                                    cpu_local_path)
 from tokenmill.sim.models import ModelConfig
 from tokenmill.sim.operators import OpContext, StepShape
 from tokenmill.sim.parallel import Parallel
@@ -65,19 +66,40 @@ def calibrate_local(out: Path | None = None, quick: bool = False) -> Path:
     bw, lat = measure_memory_bandwidth(mb, reps), measure_op_latency(reps)
     log.info("cpu-local: bf16 %.1f GFLOP/s, fp32 %.1f GFLOP/s, %.1f GB/s, op %.1f us", bf16 / 1e9, fp32 / 1e9, bw / 1e9, lat * 1e6)
     mem_gb = _total_memory_gb()
+    path = Path(out).expanduser() if out else cpu_local_path()
+    power_w, power_src = _previous_power(path)
     measured = f"measured by tokenmill sim calibrate on {time.strftime('%Y-%m-%d')}"
     entry = {"name": CPU_LOCAL_NAME, "display_name": "this machine (CPU)", "bf16_flops": bf16, "fp8_flops": bf16,
              "fp4_flops": bf16, "fp32_flops": fp32, "hbm_gb": mem_gb, "hbm_bw": bw, "nvlink_bw": bw / 4,
              "domain_size": 1, "scaleout_bw": 1.25e9, "kernel_latency_s": lat, "collective_latency_s": 50e-6,
              "a2a_latency_s": 50e-6, "gemm_eff_max": 1.0, "gemm_m_half": 1.0, "attn_eff": 0.5, "mem_eff": 1.0, "link_eff": 1.0,
+             "power_w": power_w,
              "sources": {"bf16_flops": f"{measured} (torch bf16 matmul {n}^3); fp8/fp4 run at this rate",
                          "fp32_flops": measured, "hbm_bw": f"{measured} (numpy copy, read+write)",
                          "kernel_latency_s": f"{measured} (tiny torch op)", "hbm_gb": "os.sysconf physical memory",
-                         "gemm_eff_max": "1.0: the measured rate already is the achieved rate"}}
-    path = Path(out).expanduser() if out else cpu_local_path()
+                         "gemm_eff_max": "1.0: the measured rate already is the achieved rate",
+                         "power_w": power_src}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(entry, indent=1) + "\n")
     return path
+
+
+def _previous_power(path: Path) -> tuple[float, str]:
+    """Power is not measured: keep a figure the user wrote into an earlier calibration file, else the
+    stated assumption, so recalibrating never silently throws an edit away."""
+    try:
+        old = json.loads(path.read_text())
+        power = float(old["power_w"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return CPU_LOCAL_DEFAULT_POWER_W, CPU_LOCAL_POWER_SOURCE
+    if not power > 0 or power == CPU_LOCAL_DEFAULT_POWER_W:
+        return CPU_LOCAL_DEFAULT_POWER_W, CPU_LOCAL_POWER_SOURCE
+    log.info("cpu-local: keeping power_w %.0f W from %s", power, path)
+    sources = old.get("sources")
+    source = sources.get("power_w") if isinstance(sources, dict) else None
+    if not isinstance(source, str) or source.startswith(CPU_LOCAL_POWER_SOURCE):
+        source = f"set by the user in {path.name} (not measured), kept by tokenmill sim calibrate"
+    return power, source
 
 
 def _total_memory_gb() -> float:

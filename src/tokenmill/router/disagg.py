@@ -11,6 +11,9 @@ prefilling it where it will be decoded is cheaper (DESIGN.md, "How a request flo
 
 Every decision is counted by (decision, reason) and exported as
 `tokenmill_disagg_decisions_total{decision, reason}`.
+
+It lives with the router, not the frontend, so the fleet simulator (`sim.fleet`) decides with
+the very rule the live frontend uses.
 """
 from __future__ import annotations
 

@@ -1,0 +1,253 @@
+"""One simulated worker: the engine's scheduling rules over a `SimKV`, one step at a time.
+
+`schedule` mirrors `engine.scheduler.Scheduler.schedule` rule for rule, so a simulated worker
+batches exactly as a live (mock) worker does: running decodes first (one token each), then
+running prefills, then waiting requests are admitted while `max_num_seqs` and the step's token
+budget allow, each prefill taking at most what is left of the budget (chunked prefill). When
+the pool cannot hold the next tokens, the latest-admitted request not yet scheduled this step
+is preempted (its blocks freed, still cached) and goes back to the front of the queue.
+
+Disaggregation: a `prefill_only` sequence stops after its first token and its blocks are
+*held* until its decode worker has pulled them (`release`); the decode side admits a pulled
+request with `begin_import` (local hits first, fresh blocks for the rest) and `finish_import`.
+
+The worker knows no time: the fleet loop (`fleet.py`) asks for a batch, prices its
+`StepWork` with the profile's clock, and calls `complete` when the step's time has passed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.engine.step_work import StepWork
+from tokenmill.kv.events import KVEventEmitter
+from tokenmill.sim.fleet.cache import SeqBlocks, SimKV
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"worker: field {name} must be >= 1")
+
+
+@dataclass(slots=True, eq=False)  # an entity: compared by identity
+class SimSeq:
+    request_id: str
+    prompt_tokens: int
+    output_tokens: int  # tokens the request generates in all (on every worker together)
+    kv: SeqBlocks
+    num_tokens: int = 0  # known tokens: prompt + generated
+    computed: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    admitted: bool = False
+    running: bool = False
+    prefill_only: bool = False
+    finished: bool = False
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_tokens = self.num_tokens or self.prompt_tokens
+
+    @property
+    def generated(self) -> int:
+        return self.num_tokens - self.prompt_tokens
+
+
+@dataclass(slots=True)
+class Chunk:
+    seq: SimSeq
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start >= self.seq.prompt_tokens
+
+
+@dataclass(slots=True)
+class Batch:
+    chunks: list[Chunk] = field(default_factory=list)
+    preempted: int = 0
+
+    def work(self) -> StepWork:
+        """The step's shape, built exactly as the mock runner builds it from a SchedulerOutput."""
+        p_tokens = p_kv = d_seqs = d_kv = sampled = 0
+        attended = 0.0
+        for c in self.chunks:
+            sampled += c.samples
+            if c.is_decode:
+                d_seqs += 1
+                d_kv += c.start + 1
+            else:
+                p_tokens += c.num_tokens
+                p_kv += c.start + c.num_tokens
+                attended += StepWork.chunk_attended(c.start, c.num_tokens)
+        return StepWork(p_tokens, attended, p_kv, d_seqs, d_kv, sampled)
+
+
+class SimWorker:
+    def __init__(self, worker_id: str, role: str, config: WorkerConfig, events: KVEventEmitter | None = None) -> None:
+        self.worker_id = worker_id
+        self.role = role  # "agg", "prefill" or "decode"
+        self.config = config
+        self.kv = SimKV(config.num_blocks, config.block_size, events)
+        self.waiting: deque[SimSeq] = deque()
+        self.running: list[SimSeq] = []
+        self.held: dict[str, SimSeq] = {}
+        self.importing: dict[str, SimSeq] = {}
+
+    def add(self, seq: SimSeq) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.importing)
+
+    # ---- scheduling (engine.scheduler.Scheduler, rule for rule) ------------------------------
+
+    def schedule(self) -> Batch:
+        out = Batch()
+        budget = self.config.max_num_batched_tokens
+        decodes = [s for s in self.running if s.num_tokens - s.computed == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.computed > 1]
+        for seq in decodes + prefills:
+            if not seq.running or budget == 0:
+                continue  # preempted earlier in this loop
+            budget -= self._schedule_running(seq, budget, out)
+        if not out.preempted:
+            self._admit_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, seq: SimSeq, budget: int, out: Batch) -> int:
+        n = min(seq.num_tokens - seq.computed, budget)
+        scheduled = {id(c.seq) for c in out.chunks}
+        while not self.kv.allocate(seq.kv, seq.computed + n):
+            victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim, out)
+            if victim is seq:
+                return 0
+        out.chunks.append(Chunk(seq, seq.computed, n))
+        return n
+
+    def _admit_waiting(self, budget: int, out: Batch) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.kv.cached_prefix(seq.kv, seq.num_tokens)
+            cached = len(hits) * self.config.block_size
+            n = min(seq.num_tokens - cached, budget)
+            if not self.kv.allocate(seq.kv, cached + n, hits, queried_tokens=seq.num_tokens):
+                break
+            self.waiting.popleft()
+            if not seq.admitted:
+                seq.cached_tokens, seq.admitted = cached, True
+            seq.computed, seq.running = cached, True
+            self.running.append(seq)
+            out.chunks.append(Chunk(seq, cached, n))
+            budget -= n
+
+    def _preempt(self, seq: SimSeq, out: Batch) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.kv)
+        seq.computed, seq.running = 0, False
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted += 1
+
+    # ---- the end of a step ------------------------------------------------------------------
+
+    def plan_decode_run(self, batch: Batch, max_steps: int) -> int:
+        """How many identical steps `batch` can run back to back (see `replica.py`), its blocks reserved.
+
+        Only a batch of decodes alone qualifies: nothing it could admit can change until a
+        sequence finishes (the run's last step) or an outside event truncates the run.
+        """
+        if batch.preempted or not all(c.is_decode for c in batch.chunks):
+            return 1
+        steps = min(max_steps, min(c.seq.output_tokens - c.seq.generated for c in batch.chunks))
+        bs = self.config.block_size
+        while steps > 1:
+            need = sum(-(-(c.start + steps) // bs) - len(c.seq.kv.blocks) for c in batch.chunks)
+            if need <= self.kv.num_free_blocks:
+                break
+            steps //= 2
+        if steps > 1:
+            for c in batch.chunks:
+                self.kv.allocate(c.seq.kv, c.start + steps)
+        return max(steps, 1)
+
+    def complete(self, batch: Batch, steps: int = 1) -> list[SimSeq]:
+        """Record what the step (or a run of `steps` decode steps) computed; the sequences that
+        produced tokens, in batch order."""
+        sampled: list[SimSeq] = []
+        for c in batch.chunks:
+            seq = c.seq
+            if not seq.running:
+                continue
+            seq.computed = c.start + c.num_tokens + steps - 1
+            self.kv.cache_computed(seq.kv, seq.computed)
+            if c.samples:
+                seq.num_tokens += steps
+                sampled.append(seq)
+                if seq.generated >= seq.output_tokens or seq.prefill_only:
+                    self._finish(seq)
+        return sampled
+
+    def _finish(self, seq: SimSeq) -> None:
+        self.running.remove(seq)
+        seq.running, seq.finished = False, True
+        if seq.prefill_only:
+            self.held[seq.request_id] = seq  # its KV waits for the decode worker's pull
+        else:
+            self.kv.free(seq.kv)
+
+    # ---- disaggregation ---------------------------------------------------------------------
+
+    def release(self, request_id: str) -> None:
+        """The decode worker pulled a held request's KV: free its blocks (they stay cached)."""
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq.kv)
+
+    def begin_import(self, seq: SimSeq) -> int | None:
+        """Admit a request prefilled elsewhere: tokens to pull, or None when the pool is full."""
+        remote = seq.num_tokens - 1  # every position but the remotely sampled token
+        hits = self.kv.cached_prefix(seq.kv, seq.num_tokens)
+        if not self.kv.allocate(seq.kv, remote, hits, queried_tokens=seq.num_tokens):
+            return None
+        seq.cached_tokens, seq.admitted = len(hits) * self.config.block_size, True
+        seq.computed = seq.cached_tokens
+        self.importing[seq.request_id] = seq
+        return remote - seq.computed
+
+    def finish_import(self, request_id: str) -> None:
+        seq = self.importing.pop(request_id)
+        seq.computed = seq.num_tokens - 1
+        self.kv.cache_computed(seq.kv, seq.computed)
+        seq.running = True
+        self.running.append(seq)
+
+    def drain_leftovers(self) -> list[SimSeq]:
+        """Everything this worker still holds, for a replica removed without draining."""
+        seqs = list(self.waiting) + self.running + list(self.importing.values())
+        for seq in self.running + list(self.importing.values()):
+            self.kv.free(seq.kv)
+        for request_id in list(self.held):
+            self.release(request_id)
+        self.waiting.clear()
+        self.running.clear()
+        self.importing.clear()
+        return seqs
