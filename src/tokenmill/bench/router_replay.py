@@ -105,7 +105,7 @@ def _policies(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def _model_limits(model: str) -> tuple[int, int]:
+def model_limits(model: str) -> tuple[int, int]:
     """(context length, vocabulary size) from the checkpoint's config.json."""
     try:
         config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
@@ -128,7 +128,7 @@ def _validate(args: argparse.Namespace) -> list[str]:
         steps = []
     if len(steps) != 4 or min(steps) < 0:
         raise ValueError(f"--mock-step-time must be four numbers A,B,C,D >= 0, got {args.mock_step_time!r}")
-    context, _ = _model_limits(args.model)
+    context, _ = model_limits(args.model)
     if args.max_input_tokens is None:
         args.max_input_tokens = context - args.max_output_tokens
     if args.max_input_tokens <= 0 or args.max_input_tokens + args.max_output_tokens > context:
@@ -138,7 +138,7 @@ def _validate(args: argparse.Namespace) -> list[str]:
 
 def build_specs(args: argparse.Namespace) -> list[RequestSpec]:
     """The trace's first --max-requests records as requests; built once, replayed under every policy."""
-    _, vocab = _model_limits(args.model)
+    _, vocab = model_limits(args.model)
     fit = TraceFit(args.time_scale, args.max_requests, args.max_input_tokens, args.max_output_tokens)
     synth = HashBlockSynth(TokenSpace(vocab), args.tokens_per_hash_block, args.seed)
     return trace_requests(read_trace(args.trace, args.max_requests), synth, fit)

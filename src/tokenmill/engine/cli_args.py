@@ -1,7 +1,12 @@
-"""Engine knobs as command-line flags, shared by every command that starts an engine."""
+"""Engine knobs as command-line flags, shared by every command that starts an engine.
+
+`--mock-profile` is only carried here as text: the engine imports no simulator, so the worker
+(`worker/mock_profile.py`) turns it into a clock and a KV pool size.
+"""
 from __future__ import annotations
 
 import argparse
+import math
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.mock_runner import StepTimeModel
@@ -22,6 +27,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--runner", default="torch", choices=["torch", "mock"])
     g.add_argument("--mock-step-time", default=None, metavar="A,B,C,D",
                    help="mock runner seconds = A + B*prefill_tokens + C*decode_seqs + D*kv_tokens_read")
+    g.add_argument("--mock-profile", default=None, metavar="MODEL@GPU[:precision][:layout]",
+                   help="mock runner: every step lasts what the simulator's step-time model predicts for "
+                        "that model on that GPU (e.g. llama-3.1-8b@h100:fp8:tp1), KV transfers take the "
+                        "GPU's link time, and the KV pool defaults to the profile's capacity; "
+                        "not with --mock-step-time")
+    g.add_argument("--mock-speedup", type=float, default=None, metavar="K",
+                   help="mock runner: run K times faster than modelled time (waits seconds/K; default 1)")
     g.add_argument("--seed", type=int, default=0)
     add_tier_arguments(parser)
 
@@ -39,17 +51,39 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0") -> EngineConfig:
-    """Raises ValueError naming the flag for bad values."""
+    """Raises ValueError naming the flag for bad values. A `--mock-profile` is checked for
+    form here and resolved by the worker (`worker.mock_profile.apply_mock_profile`)."""
+    _check_mock_flags(args)
     return EngineConfig(
         model=args.model, dtype=args.dtype, threads=args.threads, block_size=args.block_size,
         num_kv_blocks=args.kv_cache_blocks, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, runner=args.runner,
-        mock_step_time=parse_step_time(args.mock_step_time), seed=args.seed, worker_id=worker_id,
+        mock_step_time=parse_step_time(args.mock_step_time), mock_speedup=mock_speedup(args),
+        seed=args.seed, worker_id=worker_id,
         kv_host_gb=args.kv_host_gb, kv_disk_dir=args.kv_disk_dir, kv_disk_gb=args.kv_disk_gb,
         kv_shared=args.kv_shared, kv_shared_gb=args.kv_shared_gb, kv_write_through=args.kv_write_through,
         kv_pin_file=args.kv_pin_file,
     )
+
+
+def mock_speedup(args: argparse.Namespace) -> float:
+    return 1.0 if args.mock_speedup is None else args.mock_speedup
+
+
+def _check_mock_flags(args: argparse.Namespace) -> None:
+    """The mock flags that cannot go together, named as the user typed them."""
+    profile, speedup = args.mock_profile, args.mock_speedup
+    if profile is not None and args.mock_step_time is not None:
+        raise ValueError("--mock-profile and --mock-step-time are mutually exclusive: a step lasts either "
+                         "what the profile's model predicts or A + B*prefill + C*decode + D*kv")
+    if profile is not None and args.runner != "mock":
+        raise ValueError("--mock-profile needs --runner mock")
+    if speedup is not None:
+        if not (math.isfinite(speedup) and speedup > 0):
+            raise ValueError(f"--mock-speedup must be a finite number > 0, got {speedup}")
+        if args.runner != "mock":
+            raise ValueError("--mock-speedup needs --runner mock")
 
 
 def parse_step_time(text: str | None) -> StepTimeModel:
@@ -69,7 +103,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
             "--runner", args.runner, "--seed", str(args.seed)]
     optional = {"--threads": args.threads, "--kv-cache-blocks": args.kv_cache_blocks,
                 "--kv-cache-gb": args.kv_cache_gb, "--max-model-len": args.max_model_len,
-                "--mock-step-time": args.mock_step_time, "--kv-host-gb": args.kv_host_gb,
+                "--mock-step-time": args.mock_step_time, "--mock-profile": args.mock_profile,
+                "--mock-speedup": args.mock_speedup, "--kv-host-gb": args.kv_host_gb,
                 "--kv-disk-dir": args.kv_disk_dir, "--kv-disk-gb": args.kv_disk_gb, "--kv-shared": args.kv_shared,
                 "--kv-shared-gb": args.kv_shared_gb, "--kv-pin-file": args.kv_pin_file}
     for flag, value in optional.items():

@@ -1,12 +1,14 @@
 """Engine configuration: every knob a worker passes through to its engine."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from tokenmill.engine.mock_runner import StepTimeModel
 from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.step_work import StepClock
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                   "float16": torch.float16}
@@ -26,8 +28,11 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     runner: str = "torch"  # or "mock"
-    mock_step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    # the mock runner's clock: anything with seconds(StepWork) (the linear model, or the
+    # simulator's StepClock that a worker builds for --mock-profile)
+    mock_step_time: StepClock = field(default_factory=StepTimeModel)
     mock_sleep: bool = True
+    mock_speedup: float = 1.0  # the mock runner waits modelled seconds / mock_speedup
     seed: int = 0
     worker_id: str = "worker-0"
     hash_seed: int = 0
@@ -58,6 +63,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
+        if not (isinstance(self.mock_speedup, (int, float)) and math.isfinite(self.mock_speedup)
+                and self.mock_speedup > 0):
+            raise ValueError(f"mock_speedup must be a finite number > 0, got {self.mock_speedup!r}")
+        if not callable(getattr(self.mock_step_time, "seconds", None)):
+            raise ValueError("mock_step_time must have a seconds(StepWork) method")
         self._validate_tiers()
 
     def _validate_tiers(self) -> None:

@@ -93,7 +93,8 @@ class LLMEngine:
         cfg = self.model_config
         if self.config.runner == "mock":
             specials = self.tokenizer.special_token_ids if self.tokenizer else frozenset()
-            return MockRunner(self.config.mock_step_time, cfg.vocab_size, specials, self.config.mock_sleep)
+            return MockRunner(self.config.mock_step_time, cfg.vocab_size, specials, self.config.mock_sleep,
+                              self.config.mock_speedup)
         from tokenmill.engine.weights import load_model
 
         dtype = self.config.torch_dtype(cfg)

@@ -1,11 +1,18 @@
 """The mock runner: the real scheduler and KV bookkeeping, a modelled forward pass.
 
-A step takes `a + b·prefill_tokens + c·decode_seqs + d·kv_tokens_read` seconds
-(the simulator can supply the coefficients), and tokens are a deterministic
-function of the sequence so far, so fleets of mock workers behave reproducibly.
+Each step is priced by a clock (anything with `seconds(StepWork) -> float`,
+`engine.step_work.StepClock`) from that step's real shape, and the runner waits that long
+divided by `speedup`. The default clock is the linear `StepTimeModel` (`--mock-step-time`);
+a worker started with `--mock-profile` hands in the simulator's clock for a model on a GPU,
+so a box of mock workers keeps the time of that GPU fleet. The engine never imports the
+simulator: the clock arrives through `EngineConfig.mock_step_time`.
+
+Tokens are a deterministic function of the sequence so far, so fleets of mock workers behave
+reproducibly.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -13,6 +20,7 @@ import xxhash
 
 from tokenmill.engine.runner import Sampled
 from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.engine.step_work import StepClock, StepWork, work_of
 from tokenmill.kv.cache_manager import KVCacheManager
 
 
@@ -29,27 +37,53 @@ class StepTimeModel:
             if getattr(self, name) < 0:
                 raise ValueError(f"mock step-time coefficient {name} must be >= 0")
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int, kv_tokens_read: int) -> float:
-        return self.a + self.b * prefill_tokens + self.c * decode_seqs + self.d * kv_tokens_read
+    def seconds(self, work: StepWork) -> float:
+        return self.a + self.b * work.prefill_tokens + self.c * work.decode_seqs + self.d * work.kv_tokens_read
+
+
+def step_work(out: SchedulerOutput) -> StepWork:
+    """The step's counts; the split follows `ScheduledSeq.is_decode`, as the scheduler's own
+    counters do, so `kv_tokens_read` equals `SchedulerOutput.kv_tokens_read`."""
+    return work_of(out.seqs)
 
 
 class MockRunner:
-    def __init__(self, step_time: StepTimeModel, vocab_size: int, special_ids: frozenset[int] = frozenset(),
-                 sleep: bool = True) -> None:
-        self.step_time = step_time
+    def __init__(self, clock: StepClock, vocab_size: int, special_ids: frozenset[int] = frozenset(),
+                 sleep: bool = True, speedup: float = 1.0) -> None:
+        if not (math.isfinite(speedup) and speedup > 0):
+            raise ValueError(f"mock_speedup must be a finite number > 0, got {speedup}")
+        self.clock = clock
         self.token_space = [t for t in range(vocab_size) if t not in special_ids]  # never emits a special
         if not self.token_space:
             raise ValueError("mock runner needs at least one non-special token id")
         self.sleep = sleep
-        self.modelled_seconds = 0.0
+        self.speedup = speedup
+        self.modelled_seconds = 0.0  # unscaled model time of every step so far (speedup not applied)
+        self._last_end: float | None = None  # perf_counter when the previous step's modelled time ended
+        self._last_ids: set[str] = set()
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
-        seconds = self.step_time.step_seconds(out.num_prefill_tokens, out.num_decode_seqs, out.kv_tokens_read)
+        seconds = self.clock.seconds(step_work(out))
         self.modelled_seconds += seconds
         if self.sleep:
-            time.sleep(seconds)
+            self._wait(seconds / self.speedup, {s.request.request_id for s in out.seqs})
         return {s.request.request_id: (self._next_token(s.request.token_ids), None)
                 for s in out.seqs if s.samples}
+
+    def _wait(self, seconds: float, request_ids: set[str]) -> None:
+        """Wait out the step, timed from the end of the previous one when it continues that one.
+
+        A step whose sequences ran in the previous step follows it back to back, as on a GPU:
+        the host time in between (scheduling, outputs, sockets) is part of the modelled step
+        already (the step-time model counts the framework's per-step overhead), so it must not
+        be added on top. After an idle spell the step is timed from now.
+        """
+        now = time.perf_counter()
+        continues = self._last_end is not None and not request_ids.isdisjoint(self._last_ids)
+        end = max((self._last_end if continues else now) + seconds, now)  # type: ignore[operator]
+        if end > now:
+            time.sleep(end - now)
+        self._last_end, self._last_ids = end, request_ids
 
     def _next_token(self, token_ids: list[int]) -> int:
         # Depends on the last token and the position only: cheap, and identical on any worker.

@@ -6,8 +6,25 @@ simulator builds the same thing from its own simulated batches, so one step-time
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
+
+
+class ScheduledChunk(Protocol):
+    """One sequence's part of a step: the engine's `ScheduledSeq`, the simulator's `Chunk`."""
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def is_decode(self) -> bool: ...
+
+    @property
+    def samples(self) -> bool: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,6 +44,27 @@ class StepWork:
     def chunk_attended(start: int, num_tokens: int) -> float:
         """Keys attended by the tokens start..start+num_tokens-1, each seeing itself and all before."""
         return num_tokens * (start + (num_tokens + 1) / 2.0)
+
+
+def work_of(chunks: Iterable[ScheduledChunk]) -> StepWork:
+    """The counts of one scheduled step, as a step-time model prices them.
+
+    A decode computes one token at position `start`, reading `start + 1` keys (its own
+    included); a prefill chunk computes `num_tokens` from `start`, its KV reaching
+    `start + num_tokens`.
+    """
+    prefill_tokens = prefill_kv = decode_seqs = decode_kv = sampled = 0
+    attended = 0.0
+    for chunk in chunks:
+        if chunk.is_decode:
+            decode_seqs += 1
+            decode_kv += chunk.start + 1
+        else:
+            prefill_tokens += chunk.num_tokens
+            prefill_kv += chunk.start + chunk.num_tokens
+            attended += StepWork.chunk_attended(chunk.start, chunk.num_tokens)
+        sampled += int(chunk.samples)
+    return StepWork(prefill_tokens, attended, prefill_kv, decode_seqs, decode_kv, sampled)
 
 
 class StepClock(Protocol):

@@ -39,9 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.cli_args import engine_argv, engine_config_from_args
+    from tokenmill.worker.mock_profile import resolve_mock_profile
 
     try:
-        engine_config_from_args(args)  # flag errors here, not in N workers
+        # flag errors here, once, not in N workers; the profile is resolved as each worker will
+        resolve_mock_profile(engine_config_from_args(args), args.mock_profile)
         _check_topology(args)
         disagg_config(args)
     except ValueError as exc:

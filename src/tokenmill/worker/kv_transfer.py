@@ -14,6 +14,10 @@ is told to release its blocks.
 
 `TransferFaults` (`worker/transfer_faults.py`, `--transfer-faults`) injects the failures the
 tests and drills need.
+
+Between mock engines there are no bytes to move; with `--mock-profile` a pull still takes what
+the profile's link would (`mock_transfer_seconds(tokens pulled)`, an asyncio sleep, so heartbeats
+go on), and without one it is instant.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +59,15 @@ class TransferCounters:
 
 class KVTransferService:
     def __init__(self, worker_id: str, backends: Sequence[str | Backend] = ("shm", "tcp"), hold_timeout_s: float = 30.0,
-                 pull_timeout_s: float = 10.0, faults: TransferFaults | None = None) -> None:
+                 pull_timeout_s: float = 10.0, faults: TransferFaults | None = None,
+                 mock_transfer_seconds: Callable[[int], float] | None = None) -> None:
+        """`mock_transfer_seconds(tokens)`: how long a pull between mock engines (no bytes to
+        move) waits for that many pulled tokens; None: no wait."""
         self.agent = TransferAgent(f"{worker_id}-{uuid.uuid4().hex[:8]}", backends)
         self.hold_timeout_s = hold_timeout_s
         self.pull_timeout_s = pull_timeout_s
         self.faults = faults or TransferFaults()
+        self.mock_transfer_seconds = mock_transfer_seconds
         self.counters = TransferCounters()
         self.pool: SharedTensor | None = None
         self.layout: KVLayout | None = None
@@ -138,10 +146,14 @@ class KVTransferService:
     # -- decode side ----------------------------------------------------------------------
 
     async def pull(self, handle: dict[str, Any], plan: ImportPlan) -> bool:
-        """Copy the handle's blocks into `plan.block_ids`; True only if every byte verified."""
-        self.counters.pulls += 1
+        """Copy the handle's blocks into `plan.block_ids`; True only if every byte verified.
+        A pull is counted as it ends, with its outcome and no await between them, so no load
+        snapshot (heartbeat) shows a pull without its failure."""
         started = time.perf_counter()
-        reason = await self._pull(handle, plan)
+        try:
+            reason = await self._pull(handle, plan)
+        finally:
+            self.counters.pulls += 1
         if reason is not None:
             self.counters.pull_failures += 1
             key = reason.split(":")[0]
@@ -159,8 +171,8 @@ class KVTransferService:
             return f"bad handle: {exc}"
         if self.faults.delay_s:
             await asyncio.sleep(self.faults.delay_s)
-        if peer is None:
-            return None  # both sides run the mock engine: there are no bytes to move
+        if peer is None:  # both sides run the mock engine: there are no bytes to move
+            return await self._mock_move(plan)
         if self.faults.drop:  # one at a time, so each dropped connection is this pull's own
             async with self._drop_lock:
                 return await self._move(peer, src, dst, expected, plan)
@@ -188,6 +200,20 @@ class KVTransferService:
             self._corrupt(plan.block_ids[-1])
         if await self._checksums(plan.block_ids) != expected:
             return "checksum: the received KV does not match the prefill worker's"
+        return None
+
+    async def _mock_move(self, plan: ImportPlan) -> str | None:
+        """Wait what moving the pulled blocks would take on the profile's link (if any); a wait
+        beyond the pull timeout fails as a real transfer would, and the prompt is recomputed."""
+        if self.mock_transfer_seconds is None:
+            return None
+        block_size = self._engine.engine.config.block_size if self._engine is not None else 0
+        tokens = max(plan.num_tokens - plan.first_block * block_size, 0)
+        seconds = self.mock_transfer_seconds(tokens)
+        if seconds > self.pull_timeout_s:
+            await asyncio.sleep(self.pull_timeout_s)
+            return f"transfer: the modelled {seconds:.2f} s exceeds the {self.pull_timeout_s:g} s pull timeout"
+        await asyncio.sleep(seconds)
         return None
 
     def _plan_pull(self, handle: dict[str, Any], plan: ImportPlan,

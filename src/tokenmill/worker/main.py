@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +48,17 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.cli_args import engine_config_from_args
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.runtime.discovery import discovery_from_url
+    from tokenmill.worker.mock_profile import resolve_mock_profile, transfer_delay
     from tokenmill.worker.server import WorkerServer, WorkerSettings
 
     name = args.served_model_name or args.model
     try:
-        config = engine_config_from_args(args, args.worker_id)
+        config, clock = resolve_mock_profile(engine_config_from_args(args, args.worker_id), args.mock_profile)
         discovery = discovery_from_url(args.discovery)
         settings = WorkerSettings(args.worker_id, args.address, name, role=args.role, max_queue=args.max_queue,
                                   parent_pid=args.parent_pid, events_address=args.events_address,
                                   drain_timeout_s=args.drain_timeout_s)
-        transfer = _transfer_service(args)
+        transfer = _transfer_service(args, transfer_delay(clock, config.mock_speedup))
         engine = AsyncLLMEngine(LLMEngine(config, kv_allocator=transfer.allocate if transfer else None))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -68,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _transfer_service(args: argparse.Namespace):
-    """Prefill and decode workers move KV; an agg worker has no use for an agent."""
+def _transfer_service(args: argparse.Namespace, mock_transfer_seconds: Callable[[int], float] | None = None):
+    """Prefill and decode workers move KV; an agg worker has no use for an agent.
+    `mock_transfer_seconds`: a mock profile's link time for a pull of N tokens."""
     from tokenmill.worker.kv_transfer import KVTransferService
     from tokenmill.worker.transfer_faults import TransferFaults
 
@@ -86,7 +89,7 @@ def _transfer_service(args: argparse.Namespace):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive")
     return KVTransferService(args.worker_id, backends, args.kv_hold_timeout_s, args.kv_pull_timeout_s,
-                             TransferFaults.parse(args.transfer_faults))
+                             TransferFaults.parse(args.transfer_faults), mock_transfer_seconds)
 
 
 async def _serve(server) -> None:

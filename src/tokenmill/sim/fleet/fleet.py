@@ -68,6 +68,7 @@ class FleetSim:
         self._next_sample = config.interval_s
         self._capacity_tokens = {role: self._blocks(role) * config.block_size for role in self.clocks}
         self.finished = 0
+        self.events_processed = 0
         self.progress: Callable[[int], None] | None = None  # called with requests finished so far
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -85,6 +86,7 @@ class FleetSim:
                     UP: self._on_up, CHANGE: self._on_change}
         while self._heap:
             t, _, kind, payload = heapq.heappop(self._heap)
+            self.events_processed += 1
             self._sample_until(t)
             self.now = t
             handlers[kind](payload)

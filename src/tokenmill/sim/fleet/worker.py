@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenmill.engine.step_work import StepWork
+from tokenmill.engine.step_work import StepWork, work_of
 from tokenmill.kv.events import KVEventEmitter
 from tokenmill.sim.fleet.cache import SeqBlocks, SimKV
 
@@ -81,19 +81,8 @@ class Batch:
     preempted: int = 0
 
     def work(self) -> StepWork:
-        """The step's shape, built exactly as the mock runner builds it from a SchedulerOutput."""
-        p_tokens = p_kv = d_seqs = d_kv = sampled = 0
-        attended = 0.0
-        for c in self.chunks:
-            sampled += c.samples
-            if c.is_decode:
-                d_seqs += 1
-                d_kv += c.start + 1
-            else:
-                p_tokens += c.num_tokens
-                p_kv += c.start + c.num_tokens
-                attended += StepWork.chunk_attended(c.start, c.num_tokens)
-        return StepWork(p_tokens, attended, p_kv, d_seqs, d_kv, sampled)
+        """The step's shape, built by the same function the mock runner prices its steps with."""
+        return work_of(self.chunks)
 
 
 class SimWorker:

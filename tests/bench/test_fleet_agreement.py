@@ -1,0 +1,48 @@
+"""The fleet simulator agrees with the live system it models (small; the full size is a benchmark).
+
+The same Mooncake slice goes through `tokenmill serve --runner mock --mock-profile …` (real
+processes, the frontend's KV router) and through the fleet simulator with the same profile.
+The profile's steps are long (405B on 8 H100s) so the live system's own host time per request
+(HTTP, sockets, the frontend) stays small next to the modelled GPU time.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from tokenmill.bench import fleet_agreement
+from tokenmill.datasets import MOONCAKE_TRACE, data_file
+
+ARGS = ["--profile", "llama-3.1-405b@h100:fp8:tp8", "--speedup", "1", "--max-requests", "40", "--time-scale", "0.5",
+        "--max-output-tokens", "16", "--tokens-per-hash-block", "64", "--kv-cache-blocks", "2000"]
+# Records of the shipped trace whose prompts share prefixes with one another (1 and 121, 15 and 58, 74
+# and 90, ...), topped up with the first records, in trace order: 40 requests over ~50 s of the trace.
+SHARING = (1, 3, 15, 42, 49, 57, 58, 61, 74, 87, 90, 104, 121, 123, 124, 137, 180)
+
+
+def _slice(path: Path) -> Path:
+    lines = data_file(MOONCAKE_TRACE).read_text().splitlines()
+    chosen = sorted({*SHARING, *[i for i in range(60) if i not in SHARING][:40 - len(SHARING)]})
+    path.write_text("".join(lines[i] + "\n" for i in chosen))
+    return path
+
+
+def _args(model: Path, work_dir: Path) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    fleet_agreement.add_arguments(parser)
+    return parser.parse_args(["--model", str(model), "--work-dir", str(work_dir), *ARGS])
+
+
+@pytest.mark.parametrize("mode", ["agg", "1p1d"])
+def test_live_mock_fleet_and_simulator_agree(mode: str, tiny_dense: Path, tmp_path: Path) -> None:
+    trace = _slice(tmp_path / "slice.jsonl")
+    row = fleet_agreement.agreement(str(trace), mode, _args(tiny_dense, tmp_path), tmp_path)
+    assert row["requests"] == 40
+    assert row["cached_identical"] >= 0.95
+    assert row["live"]["hit_rate"] > 0  # the slice does share prefixes: the check above is not vacuous
+    ratio = row["ratio"]
+    assert 0.85 <= ratio["ttft_p50_s"] <= 1.15, row
+    assert 0.85 <= ratio["ttft_p90_s"] <= 1.15, row
+    assert 0.90 <= ratio["itl_mean_s"] <= 1.10, row
