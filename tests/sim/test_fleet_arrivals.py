@@ -14,8 +14,9 @@ from tokenmill import datasets
 from tokenmill.bench.prompt_synth import HashBlockSynth, TokenSpace
 from tokenmill.bench.trace_replay import TraceFit, read_trace, trace_requests
 from tokenmill.kv.hashing import block_hashes, chain_hash
-from tokenmill.sim.fleet import arrivals
-from tokenmill.sim.fleet.arrivals import TraceRequest, load_trace, synthetic
+from tokenmill.sim.fleet import arrivals, block_chains
+from tokenmill.sim.fleet.arrivals import TraceRequest, load_trace
+from tokenmill.sim.fleet.synthetic import synthetic
 
 MOONCAKE = datasets.data_file(datasets.MOONCAKE_TRACE)
 AZURE_CONV = datasets.data_file(datasets.AZURE_CONV_TRACE)
@@ -62,8 +63,8 @@ def _assert_same_requests(specs: list, sim: list[TraceRequest]) -> None:
 def test_vectorised_xxh3_is_bit_exact_with_xxhash():
     rng = np.random.default_rng(1)
     a, b, seed = (rng.integers(0, 2**64, 2000, dtype=np.uint64) for _ in range(3))
-    got = arrivals._xxh3_pair(a, b, seed).tolist()
-    unseeded = arrivals._xxh3_pair(a, b).tolist()
+    got = block_chains.xxh3_pair(a, b, seed).tolist()
+    unseeded = block_chains.xxh3_pair(a, b).tolist()
     for x, y, s, g, u in zip(a.tolist(), b.tolist(), seed.tolist(), got, unseeded):
         data = struct.pack("<QQ", x, y)
         assert g == xxhash.xxh3_64_intdigest(data, seed=s)

@@ -129,3 +129,27 @@ def test_lru_evicts_the_least_recently_freed_and_keeps_hits() -> None:
     assert kv.cached_prefix(SeqBlocks((1, 2)), 9) == [1]
     assert not kv.allocate(SeqBlocks((9, 9, 9, 9)), 16)  # 3 free blocks, 4 needed: nothing changes
     assert kv.num_free_blocks == 3
+
+
+def test_a_preempted_sequence_finds_its_own_generated_blocks_again() -> None:
+    """As in the engine, the blocks a request's output filled are cached, so recomputing it after a
+    preemption hits them; the salt keeps them its own."""
+    kv = SimKV(16, BS)
+    seq = SeqBlocks([11, 12], salt=7)  # an 8-token prompt
+    assert kv.allocate(seq, 14)
+    kv.cache_computed(seq, 13)  # prompt + 5 generated tokens: blocks 0..2 are full
+    assert len(seq.hashes) == 3 and seq.blocks[:3] == seq.hashes
+    kv.free(seq)
+    again = SeqBlocks(list(seq.hashes), salt=7)
+    assert kv.cached_prefix(again, 14) == seq.hashes  # all three full blocks (never the last position)
+    other = SeqBlocks([11, 12], salt=8)
+    other.extend_generated(3)
+    assert other.hashes[:2] == seq.hashes[:2] and other.hashes[2] != seq.hashes[2]
+
+
+def test_reserved_blocks_are_not_allocated_to_others() -> None:
+    kv = SimKV(4, BS)
+    assert kv.reserve(3)
+    assert not kv.reserve(2)
+    assert not kv.allocate(SeqBlocks([]), 2 * BS)  # only one block is not promised
+    assert kv.allocate(SeqBlocks([]), BS)

@@ -46,6 +46,13 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
      "--itl-ms"),
     (["--model", "llama-3.1-8b", "--gpu", "h100", "--agg", "1", "--synthetic", "poisson", "--change", "5:grow:agg"],
      "action"),
+    (["--model", "llama-3.1-8b", "--gpu", "h100", "--agg", "2", "--synthetic", "poisson", "--change", "60:add:prefill"],
+     "--change"),
+    (["--model", "llama-3.1-8b", "--gpu", "h100", "--prefill", "1", "--synthetic", "poisson"], "--decode"),
+    (["--model", "llama-3.1-8b", "--gpu", "h100", "--agg", "1", "--synthetic", "poisson", "--change", "nan:add:agg"],
+     "at_s"),
+    (["--model", "llama-3.1-8b", "--gpu", "h100", "--agg", "1", "--synthetic", "poisson", "--plot", "out.txt"],
+     "--plot"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_field(args: list[str], field: str, tmp_path: Path) -> None:
     done = _run(["sim", "fleet", *args], tmp_path)
@@ -53,6 +60,15 @@ def test_bad_input_exits_2_with_one_line_naming_the_field(args: list[str], field
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and field in lines[0], done.stderr
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_an_unwritable_output_is_refused_before_the_run(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "sim", "fleet", "--model", "llama-3.1-8b", "--gpu",
+                           "h100", "--agg", "1", "--synthetic", "poisson", "--json", str(blocker / "out.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--json" in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
 def test_a_malformed_trace_line_is_named(tmp_path: Path) -> None:

@@ -9,11 +9,12 @@ import pytest
 
 from tokenmill.datasets import MOONCAKE_TRACE, data_file
 from tokenmill.engine.step_work import StepWork
-from tokenmill.sim.fleet.arrivals import TraceRequest, load_trace, synthetic
+from tokenmill.sim.fleet.arrivals import TraceRequest, load_trace
 from tokenmill.sim.fleet.clock import StepClock, parse_profile
 from tokenmill.sim.fleet.config import SLA, FleetChange, FleetConfig
 from tokenmill.sim.fleet.fleet import FleetSim
 from tokenmill.sim.fleet.report import run_fleet, summarize
+from tokenmill.sim.fleet.synthetic import synthetic
 
 PROFILE = parse_profile("llama-3.1-8b@h100:fp8:tp1")
 

@@ -152,9 +152,17 @@ def sim_run(trace: Path, args: argparse.Namespace, mode: str) -> list[dict[str, 
                          max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
     sim = FleetSim(config)
     sim.run(requests)
-    ordered = sorted(sim.records.values(), key=lambda r: int(r.request_id[1:]))
-    return [{"cached": r.cached_tokens, "prompt": r.input_tokens, "ttft": r.ttft_s, "itl": r.itl_mean_s}
-            for r in ordered]
+    rejected = [r for r in sim.records.values() if not r.finished]
+    if rejected:
+        raise RuntimeError(f"the simulator did not serve {len(rejected)} requests, e.g. {rejected[0].rejected}")
+    # the simulator numbers requests by arrival (ties in file order); put them back in file order
+    arrivals = [r.timestamp_ms for r in read_trace(trace, args.max_requests)]
+    file_order = sorted(range(len(arrivals)), key=lambda i: (arrivals[i], i))
+    rows: list[dict[str, Any]] = [{}] * len(file_order)
+    for rank, index in enumerate(file_order):
+        r = sim.records[f"r{rank}"]
+        rows[index] = {"cached": r.cached_tokens, "prompt": r.input_tokens, "ttft": r.ttft_s, "itl": r.itl_mean_s}
+    return rows
 
 
 # ---- comparison -------------------------------------------------------------------------------

@@ -68,9 +68,9 @@ def _needed_replicas(args: argparse.Namespace, requests: list) -> tuple[int, dic
 
     lo, hi = 0, 1
     while not attains(hi):
-        lo, hi = hi, hi * 2
-        if hi > args.max_replicas:
+        if hi >= args.max_replicas:
             raise ValueError(f"--max-replicas: {args.max_replicas} replicas do not reach {args.attainment:.0%}")
+        lo, hi = hi, min(hi * 2, args.max_replicas)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if attains(mid) else (mid, hi)
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     replicas, probes = _needed_replicas(args, requests)
     timings = [_replay(args, requests, replicas) for _ in range(max(args.repeats, 1))]
     result, seconds, events = min(timings, key=lambda t: t[1])
-    gpus_per_replica = result.totals["peak_gpus"] // replicas
+    gpus_per_replica = result.config.profiles["agg"].gpus
     report = {"schema": SCHEMA, "trace": Path(args.trace).name, "rate_scale": args.rate_scale,
               "requests": len(requests), "deployment": f"{args.model}@{args.gpu}:{args.precision}:{args.layout}",
               "needed_replicas": replicas, "needed_gpus": replicas * gpus_per_replica,

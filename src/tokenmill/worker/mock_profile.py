@@ -75,8 +75,9 @@ def resolve_mock_profile(config: EngineConfig, profile: str | None,
 
 
 def transfer_delay(clock: StepClock | None, speedup: float) -> Callable[[int], float] | None:
-    """Seconds a mock KV pull of N tokens waits: the profile's link time, one host being one
-    NVLink domain; None without a profile (mock pulls then move nothing, instantly)."""
+    """Seconds a mock KV pull of N tokens waits: the profile's link time between two instances of
+    the profile (the fleet simulator's rule: NVLink when both fit one domain, else the NIC); None
+    without a profile (mock pulls then move nothing, instantly)."""
     if clock is None:
         return None
-    return lambda tokens: clock.transfer_seconds(tokens, same_domain=True) / speedup
+    return lambda tokens: clock.transfer_seconds(tokens, clock.profile.gpus) / speedup

@@ -1,7 +1,8 @@
 """The fleet simulator: a request trace replayed over simulated workers (issue 12).
 
 Modules: `clock` (the step-time model as a per-step function, shared with the mock runner),
-`arrivals` (traces and synthetic load), `cache` (a worker's block-level prefix cache),
+`arrivals` (request traces), `synthetic` (synthetic load), `block_chains` (the
+prompts' chained block hashes, vectorised), `cache` (a worker's block-level prefix cache),
 `worker` (continuous batching with chunked prefill, as the engine schedules), `fleet`
 (the discrete-event loop: routing, disaggregation, KV transfers, fleet changes), `report`
 (per-request, per-interval and total figures), `cli` (`tokenmill sim fleet`).

@@ -11,24 +11,40 @@ operations through both and compares them.
 What differs is the representation: a simulated replica has ~10⁵ blocks, a fleet a hundred
 replicas, so blocks that hold no hash are not objects but runs of a count in the free queue, and
 a sequence's block table lists the hash each of its blocks is registered under (None: none).
-Blocks of generated tokens are never hashed here: no trace prompt can contain them.
+A simulated request has no token ids, so the blocks its generated tokens fill are hashed from a
+per-request `salt` (chained like every block): as in the engine they are cached, announced, and
+hit again when a preempted request is recomputed, but no other prompt can contain them.
+
+Blocks a decode run will fill are `reserve`d when the run starts and taken when it ends, so
+cached blocks are evicted no earlier than the engine, stepping one token at a time, would.
 """
 from __future__ import annotations
 
 import itertools
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import xxhash
+
 from tokenmill.kv.events import KVEventEmitter
+from tokenmill.kv.hashing import chain_hash
 
 TIER = "device"
 
 
 @dataclass(slots=True)
 class SeqBlocks:
-    hashes: tuple[int, ...]  # chained hashes of the prompt's full blocks
+    hashes: list[int]  # chained hashes of the full blocks: the prompt's, then generated ones as they fill
+    salt: int | None = None  # request-unique: hashes generated blocks (None: they are never cached)
     blocks: list[int | None] = field(default_factory=list)  # per held block: its registered hash, or None
     num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
+
+    def extend_generated(self, num_full: int) -> None:
+        """Hashes for blocks up to `num_full`, past the prompt's: chained from the salt and position."""
+        while len(self.hashes) < num_full:
+            local = xxhash.xxh3_64_intdigest(struct.pack("<QQ", self.salt, len(self.hashes)))
+            self.hashes.append(chain_hash(self.hashes[-1] if self.hashes else None, local))
 
 
 class SimKV:
@@ -43,8 +59,7 @@ class SimKV:
         self._free: OrderedDict[object, int | None] = OrderedDict({("run", next(self._runs)): num_blocks})
         self.num_free_blocks = num_blocks
         self._refs: dict[int, int] = {}  # every cached hash -> references held on its block
-        self.hit_tokens = 0
-        self.queried_tokens = 0
+        self.reserved = 0  # free blocks promised to running decode runs
 
     def cached_prefix(self, seq: SeqBlocks, num_tokens: int) -> list[int]:
         """Cached leading blocks (their hashes) of a sequence of `num_tokens` known tokens."""
@@ -55,19 +70,15 @@ class SimKV:
             hits.append(block_hash)
         return hits
 
-    def allocate(self, seq: SeqBlocks, num_tokens_total: int, hits: list[int] | None = None,
-                 queried_tokens: int = 0) -> bool:
+    def allocate(self, seq: SeqBlocks, num_tokens_total: int, hits: list[int] | None = None) -> bool:
         """Blocks for the first `num_tokens_total` tokens, `hits` first; False, changing nothing, if short."""
         need = -(-num_tokens_total // self.block_size) - len(seq.blocks)
-        if need <= 0 and not hits and not queried_tokens:
+        if need <= 0 and not hits:
             return True  # the hot path: a decode step inside an already allocated block
         hits = hits or []
         need -= len(hits)
-        if need > self.num_free_blocks - sum(1 for h in hits if self._refs[h] == 0):
+        if need > self.num_free_blocks - self.reserved - sum(1 for h in hits if self._refs[h] == 0):
             return False
-        if queried_tokens:
-            self.queried_tokens += queried_tokens
-            self.hit_tokens += len(hits) * self.block_size
         for block_hash in hits:
             if self._refs[block_hash] == 0:
                 del self._free[block_hash]
@@ -101,14 +112,26 @@ class SimKV:
         if evicted and self.events is not None:
             self.events.removed(TIER, evicted)
 
+    def reserve(self, blocks: int) -> bool:
+        """Promise `blocks` free blocks to a decode run; False, changing nothing, if too few."""
+        if blocks > self.num_free_blocks - self.reserved:
+            return False
+        self.reserved += blocks
+        return True
+
     def cache_computed(self, seq: SeqBlocks, num_computed: int) -> None:
-        """Register the prompt blocks that `num_computed` tokens have filled."""
+        """Register the blocks that `num_computed` tokens have filled."""
         start = seq.num_cached_blocks
-        if start >= len(seq.hashes):
-            return  # every prompt block is registered (the hot path: decode steps)
-        num_full = min(num_computed // self.block_size, len(seq.blocks), len(seq.hashes))
+        num_full = min(num_computed // self.block_size, len(seq.blocks))
         if num_full <= start:
-            return
+            return  # the hot path: a decode step inside a block
+        if num_full > len(seq.hashes):
+            if seq.salt is None:
+                num_full = len(seq.hashes)
+                if num_full <= start:
+                    return
+            else:
+                seq.extend_generated(num_full)
         registered = False
         for i in range(start, num_full):
             block_hash = seq.hashes[i]
@@ -151,6 +174,3 @@ class SimKV:
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
-
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

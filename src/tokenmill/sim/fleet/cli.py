@@ -16,10 +16,11 @@ import tempfile
 from pathlib import Path
 
 from tokenmill.router.disagg import DisaggConfig
-from tokenmill.sim.fleet.arrivals import TraceRequest, load_trace, synthetic
+from tokenmill.sim.fleet.arrivals import TraceRequest, load_trace
 from tokenmill.sim.fleet.clock import Profile, parse_layout
 from tokenmill.sim.fleet.config import SLA, FleetChange, FleetConfig
 from tokenmill.sim.fleet.report import FleetResult, run_fleet
+from tokenmill.sim.fleet.synthetic import synthetic
 
 log = logging.getLogger(__name__)
 PROGRESS_MIN_REQUESTS = 20_000  # below this a run takes about a second: no bar
@@ -119,16 +120,34 @@ def load_requests(args: argparse.Namespace) -> list[TraceRequest]:
 
 def fleet_cmd(args: argparse.Namespace) -> int:
     config = build_config(args)
+    _check_outputs(args)
     requests = load_requests(args)
     result = _run_with_progress(config, requests)
-    if args.json_out:
-        write_json_atomically(result.to_json(per_request=not args.no_requests), args.json_out)
-    if args.plot:
-        from tokenmill.sim.fleet.plots import plot_fleet
+    try:
+        if args.plot:
+            from tokenmill.sim.fleet.plots import plot_fleet
 
-        plot_fleet(result, args.plot)
+            plot_fleet(result, args.plot)
+        if args.json_out:
+            write_json_atomically(result.to_json(per_request=not args.no_requests), args.json_out)
+    except OSError as exc:
+        raise ValueError(f"--json/--plot: cannot write ({exc})") from exc
     print_totals(result)
     return 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output path that cannot be written before spending the run on it."""
+    for flag, path in (("--json", args.json_out), ("--plot", args.plot)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise ValueError(f"{flag} {path}: is a directory")
+        parent = next((p for p in (path.parent, *path.parent.parents) if p.exists()), None)
+        if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ValueError(f"{flag} {path}: its directory cannot be written")
+    if args.plot is not None and args.plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise ValueError(f"--plot {args.plot}: must end in .png, .svg or .pdf")
 
 
 def _run_with_progress(config: FleetConfig, requests: list[TraceRequest]) -> FleetResult:

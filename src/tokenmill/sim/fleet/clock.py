@@ -170,8 +170,10 @@ class StepClock:
         c = self.context
         return tokens * kv_bytes_per_token(c.model, c.plan.kv.bytes_per_value, tokens)
 
-    def transfer_seconds(self, tokens: int, same_domain: bool) -> float:
-        """Moving `tokens` of KV from this (prefill) instance to a decode instance, all its GPUs sending."""
+    def transfer_seconds(self, tokens: int, receiver_gpus: int) -> float:
+        """Moving `tokens` of KV from this (prefill) instance, all its GPUs sending, to a decode
+        instance of `receiver_gpus`: over NVLink when both fit in one NVLink domain, else the NIC."""
         g = self.context.gpu
+        same_domain = self.profile.gpus + receiver_gpus <= g.domain_size
         bw = (g.nvlink_bw if same_domain else g.scaleout_bw) * g.link_eff * self.profile.gpus
         return g.collective_latency_s + self.kv_bytes(tokens) / bw

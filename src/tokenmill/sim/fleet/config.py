@@ -29,14 +29,16 @@ class FleetChange:
     to_role: str | None = None
 
     def __post_init__(self) -> None:
-        if self.at_s < 0:
-            raise ValueError(f"fleet change: field at_s must be >= 0, got {self.at_s}")
+        if not self.at_s >= 0 or self.at_s == float("inf"):
+            raise ValueError(f"fleet change: field at_s must be a time >= 0, got {self.at_s}")
         if self.action not in ACTIONS:
             raise ValueError(f"fleet change: field action must be one of {ACTIONS}, got {self.action!r}")
         if self.role not in ROLES or (self.action == "rerole" and self.to_role not in ROLES):
             raise ValueError(f"fleet change: fields role/to_role must be one of {ROLES}")
         if self.count < 1:
             raise ValueError(f"fleet change: field count must be >= 1, got {self.count}")
+        if self.to_role is not None and self.action != "rerole":
+            raise ValueError(f"fleet change: field to_role only goes with action rerole, not {self.action!r}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,8 +82,11 @@ class FleetConfig:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.agg and (self.prefill or self.decode):
             raise ValueError("--agg: give either --agg N or --prefill P --decode D, not both")
-        if bool(self.prefill) != bool(self.decode) and not self.changes:
-            raise ValueError("--prefill/--decode: a disaggregated fleet needs both pools")
+        roles = set(self.roles_used())
+        if "agg" in roles and roles != {"agg"}:
+            raise ValueError("--change: an aggregated fleet cannot gain prefill or decode replicas (nor the reverse)")
+        if roles and "agg" not in roles and "decode" not in roles:
+            raise ValueError("--decode: a disaggregated fleet needs decode replicas (now or by a --change)")
         if not (self.agg or self.decode or any(c.action == "add" for c in self.changes)):
             raise ValueError("--agg: the fleet has no replica to serve with")
         if self.router not in POLICIES:

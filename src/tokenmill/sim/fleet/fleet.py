@@ -23,16 +23,18 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import xxhash
+
 from tokenmill.kv.events import KVEventEmitter
-from tokenmill.router.disagg import REMOTE, DisaggPolicy
-from tokenmill.router.policies import Router, RouterConfig
 from tokenmill.router.decision import RoutingRequest
+from tokenmill.router.disagg import LOCAL, REMOTE, DisaggPolicy
+from tokenmill.router.policies import Router, RouterConfig
+from tokenmill.sim.fleet.cache import SeqBlocks
 from tokenmill.sim.fleet.clock import StepClock
 from tokenmill.sim.fleet.config import FleetChange, FleetConfig
 from tokenmill.sim.fleet.records import ChangeRecord, IntervalRecord, RequestRecord
 from tokenmill.sim.fleet.replica import Replica, Run
 from tokenmill.sim.fleet.worker import SimSeq, SimWorker, WorkerConfig
-from tokenmill.sim.fleet.cache import SeqBlocks
 
 if TYPE_CHECKING:
     from tokenmill.sim.fleet.arrivals import TraceRequest
@@ -40,6 +42,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ARRIVE, STEP, PULLED, UP, CHANGE = range(5)
+
+
+def _blocks_of(request: TraceRequest) -> SeqBlocks:
+    """A fresh block table: the prompt's hashes, and a request-unique salt for generated blocks."""
+    return SeqBlocks(list(request.block_hashes), xxhash.xxh3_64_intdigest(request.request_id.encode()))
 
 
 class FleetSim:
@@ -122,7 +129,7 @@ class FleetSim:
         decision = self.routers[role].select(routing, [r.worker_id for r in pool])
         target = self.replicas[decision.worker]
         record.worker = target.worker_id
-        seq = SimSeq(request.request_id, request.input_tokens, request.output_tokens, SeqBlocks(request.block_hashes))
+        seq = SimSeq(request.request_id, request.input_tokens, request.output_tokens, _blocks_of(request))
         if role == "decode" and self._prefill_remotely(request, decision.overlap_blocks, record):
             self._send_to_prefill(request, routing, record, target)
             return
@@ -131,6 +138,10 @@ class FleetSim:
 
     def _prefill_remotely(self, request: TraceRequest, overlap_blocks: int, record: RequestRecord) -> bool:
         prefill_pool = self._serving("prefill")
+        if prefill_pool and request.input_tokens + 1 > self._capacity_tokens["prefill"]:
+            self.policy.counts[(LOCAL, "prompt_exceeds_prefill_kv")] += 1  # it could never be admitted there
+            record.prefill, record.prefill_reason = LOCAL, "prompt_exceeds_prefill_kv"
+            return False
         queues = [self.prefill_in_flight[r.worker_id] for r in prefill_pool]
         choice = self.policy.decide(request.input_tokens, overlap_blocks * self.config.block_size, queues)
         record.prefill, record.prefill_reason = choice.decision, choice.reason
@@ -144,7 +155,7 @@ class FleetSim:
         self.prefill_in_flight[chosen.worker_id] += 1
         decode.pending_imports += 1
         seq = SimSeq(request.request_id, request.input_tokens, request.output_tokens,
-                     SeqBlocks(request.block_hashes), prefill_only=True)
+                     _blocks_of(request), prefill_only=True)
         chosen.worker.add(seq)
         self._wake(chosen)
 
@@ -187,40 +198,41 @@ class FleetSim:
         if seq.prefill_only:
             self._handoff(replica, seq, record)
             return
-        role = self.serving_role
         if first:
-            self.routers[role].on_first_token(seq.request_id)
+            self.routers[self.serving_role].on_first_token(seq.request_id)
         if seq.finished:
-            self.routers[role].on_finished(seq.request_id)
-            self.finished += 1
-            if self.progress is not None:
-                self.progress(self.finished)
+            self._request_done(seq.request_id)
+
+    def _request_done(self, request_id: str) -> None:
+        self.routers[self.serving_role].on_finished(request_id)
+        self.finished += 1
+        if self.progress is not None:
+            self.progress(self.finished)
 
     # ---- disaggregated handoff -------------------------------------------------------------------
 
     def _handoff(self, prefill: Replica, seq: SimSeq, record: RequestRecord) -> None:
+        """The prefill replica made the first token: the decode replica pulls the KV it lacks."""
         self.prefill_in_flight[prefill.worker_id] -= 1
         self.routers["prefill"].on_finished(seq.request_id)
         self.routers["decode"].on_first_token(seq.request_id)
         decode = self.replicas[record.worker]
-        decode.pending_imports -= 1
         if seq.output_tokens <= 1:
             prefill.worker.release(seq.request_id)
-            self.routers["decode"].on_finished(seq.request_id)
-            self.finished += 1
+            decode.pending_imports -= 1
+            self._request_done(seq.request_id)
             self._maybe_retire(decode)
             return
-        pulled = SimSeq(seq.request_id, seq.prompt_tokens, seq.output_tokens, SeqBlocks(seq.kv.hashes),
+        pulled = SimSeq(seq.request_id, seq.prompt_tokens, seq.output_tokens, SeqBlocks(list(seq.kv.hashes), seq.kv.salt),
                         num_tokens=seq.prompt_tokens + 1)
         lacking = decode.worker.begin_import(pulled)
         if lacking is None:  # no room to land the KV: prefill it again there (never decode from nothing)
             prefill.worker.release(seq.request_id)
+            decode.pending_imports -= 1
             decode.worker.add(pulled)
             self._wake(decode)
             return
-        decode.pending_imports += 1
-        same_domain = prefill.gpus + decode.gpus <= prefill.clock.context.gpu.domain_size
-        seconds = prefill.clock.transfer_seconds(lacking, same_domain)
+        seconds = prefill.clock.transfer_seconds(lacking, decode.gpus)
         self._push(self.now + seconds, PULLED, (prefill, decode, seq.request_id))
 
     def _on_pulled(self, payload: tuple[Replica, Replica, str]) -> None:
@@ -229,10 +241,7 @@ class FleetSim:
         decode.worker.finish_import(request_id)
         prefill.worker.release(request_id)
         self._wake(decode)
-        if prefill.run is None:
-            self._start(prefill)  # released blocks may let a waiting prompt in
-        else:
-            self._wake(prefill)
+        self._wake(prefill)  # released blocks may let a waiting prompt in
 
     # ---- replicas: add, start, drain, re-role ------------------------------------------------------
 
@@ -301,8 +310,15 @@ class FleetSim:
         if replica.state != "draining" or not replica.is_idle():
             return
         replica.state, replica.gone_s = "gone", self.now
-        if replica.rerole_to:
-            self._add_replica(replica.rerole_to, self.now + self.config.replica_startup_s)
+        role = replica.rerole_to
+        if role is None:
+            return
+        if self._power_allows(self.clocks[role].profile.gpus, role):
+            self._add_replica(role, self.now + self.config.replica_startup_s)
+        else:
+            self.change_log.append(ChangeRecord(self.now, "rerole", replica.role, 1, 0,
+                                                f"{replica.worker_id} drained; power cap "
+                                                f"{self.config.power_cap_kw:g} kW refuses it as {role}"))
 
     # ---- power and sampling -------------------------------------------------------------------------
 

@@ -3,8 +3,8 @@
 Lifecycle: `starting` (GPUs held, serving nothing) → `up` (routable) → `draining` (not routable,
 finishing what it holds) → `gone`. GPU time counts from creation to gone.
 
-Steps. A step's duration is the clock's price of its `StepWork`. A batch of decodes alone with
-nobody waiting repeats itself until a sequence finishes or something arrives, so it is run as
+Steps. A step's duration is the clock's price of its `StepWork`. A batch of decodes alone (nothing
+waiting could be admitted) repeats itself until a sequence finishes or something arrives, so it is run as
 one *decode run* of k identical steps (the KV length growing by one per sequence each step):
 step i lasts d_i = f0 + (f1 − f0)·i/(k−1), f0 and f1 the prices of the first and last step (the
 clock is multilinear, so this is its own interpolation along the run). Anything that changes the
@@ -107,9 +107,6 @@ class Replica:
         w = self.worker
         return (self.run is None and not w.has_work() and not w.held and not w.importing
                 and not self.pending_imports)
-
-    def gpu_seconds(self, end_s: float) -> float:
-        return ((self.gone_s if self.gone_s is not None else end_s) - self.created_s) * self.gpus
 
 
 def _advanced(work: StepWork, steps: int) -> StepWork:

@@ -60,7 +60,7 @@ def summarize(sim: FleetSim) -> FleetResult:
     served = [r for r in records if r.finished]
     start = min((r.arrival_s for r in records), default=0.0)
     end = max((r.last_token_s or r.arrival_s for r in records), default=start)
-    makespan = max(end - start, 1e-9)
+    makespan = max(end - start, 1e-9)  # from the first arrival to the last token
     ttfts = [r.ttft_s for r in served if r.ttft_s is not None]
     itls = [r.itl_mean_s for r in served if r.itl_mean_s is not None]
     within = [r for r in served if (r.ttft_s or 0.0) <= config.sla.ttft_s
@@ -80,7 +80,7 @@ def summarize(sim: FleetSim) -> FleetResult:
         "preemptions": sum(r.preemptions for r in records),
         "disagg_decisions": dict(sorted((f"{d}/{why}", n) for (d, why), n in sim.policy.counts.items())),
     }
-    totals.update(_cost_and_energy(sim, end, output_tokens))
+    totals.update(_cost_and_energy(sim, max(sim.now, end), output_tokens))
     return FleetResult(config, records, totals, [i.to_json() for i in sim.intervals],
                        [c.to_json() for c in sim.change_log])
 
@@ -88,7 +88,7 @@ def summarize(sim: FleetSim) -> FleetResult:
 def _cost_and_energy(sim: FleetSim, end_s: float, output_tokens: int) -> dict[str, object]:
     gpu_seconds = joules = 0.0
     for replica in sim.replicas.values():
-        life = (replica.gone_s if replica.gone_s is not None else end_s) - replica.created_s
+        life = max((replica.gone_s if replica.gone_s is not None else end_s) - replica.created_s, 0.0)
         power = replica.clock.context.gpu.power_w * replica.gpus
         busy = min(replica.busy_s, life)
         gpu_seconds += life * replica.gpus

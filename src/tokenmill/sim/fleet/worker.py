@@ -79,6 +79,7 @@ class Chunk:
 class Batch:
     chunks: list[Chunk] = field(default_factory=list)
     preempted: int = 0
+    reserved: int = 0  # blocks promised to this batch's decode run (taken when it ends)
 
     def work(self) -> StepWork:
         """The step's shape, built by the same function the mock runner prices its steps with."""
@@ -101,9 +102,6 @@ class SimWorker:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def num_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.importing)
 
     # ---- scheduling (engine.scheduler.Scheduler, rule for rule) ------------------------------
 
@@ -138,7 +136,7 @@ class SimWorker:
             hits = self.kv.cached_prefix(seq.kv, seq.num_tokens)
             cached = len(hits) * self.config.block_size
             n = min(seq.num_tokens - cached, budget)
-            if not self.kv.allocate(seq.kv, cached + n, hits, queried_tokens=seq.num_tokens):
+            if not self.kv.allocate(seq.kv, cached + n, hits):
                 break
             self.waiting.popleft()
             if not seq.admitted:
@@ -159,33 +157,36 @@ class SimWorker:
     # ---- the end of a step ------------------------------------------------------------------
 
     def plan_decode_run(self, batch: Batch, max_steps: int) -> int:
-        """How many identical steps `batch` can run back to back (see `replica.py`), its blocks reserved.
+        """How many identical steps `batch` can run back to back (see `replica.py`), their blocks reserved.
 
-        Only a batch of decodes alone qualifies: nothing it could admit can change until a
-        sequence finishes (the run's last step) or an outside event truncates the run.
+        Only a batch of decodes alone qualifies: nothing waiting could be admitted until a sequence
+        finishes (the run's last step) or an outside event truncates the run.
         """
         if batch.preempted or not all(c.is_decode for c in batch.chunks):
             return 1
         steps = min(max_steps, min(c.seq.output_tokens - c.seq.generated for c in batch.chunks))
-        bs = self.config.block_size
-        while steps > 1:
-            need = sum(-(-(c.start + steps) // bs) - len(c.seq.kv.blocks) for c in batch.chunks)
-            if need <= self.kv.num_free_blocks:
-                break
+        while steps > 1 and not self.kv.reserve(self._blocks_for(batch, steps)):
             steps //= 2
         if steps > 1:
-            for c in batch.chunks:
-                self.kv.allocate(c.seq.kv, c.start + steps)
+            batch.reserved = self._blocks_for(batch, steps)
         return max(steps, 1)
+
+    def _blocks_for(self, batch: Batch, steps: int) -> int:
+        bs = self.config.block_size
+        return sum(max(0, -(-(c.start + steps) // bs) - len(c.seq.kv.blocks)) for c in batch.chunks)
 
     def complete(self, batch: Batch, steps: int = 1) -> list[SimSeq]:
         """Record what the step (or a run of `steps` decode steps) computed; the sequences that
         produced tokens, in batch order."""
+        self.kv.reserved -= batch.reserved
+        batch.reserved = 0
         sampled: list[SimSeq] = []
         for c in batch.chunks:
             seq = c.seq
             if not seq.running:
                 continue
+            if steps > 1 and not self.kv.allocate(seq.kv, c.start + steps):
+                raise RuntimeError(f"{self.worker_id}: a decode run's reserved blocks were gone")
             seq.computed = c.start + c.num_tokens + steps - 1
             self.kv.cache_computed(seq.kv, seq.computed)
             if c.samples:
@@ -215,7 +216,7 @@ class SimWorker:
         """Admit a request prefilled elsewhere: tokens to pull, or None when the pool is full."""
         remote = seq.num_tokens - 1  # every position but the remotely sampled token
         hits = self.kv.cached_prefix(seq.kv, seq.num_tokens)
-        if not self.kv.allocate(seq.kv, remote, hits, queried_tokens=seq.num_tokens):
+        if not self.kv.allocate(seq.kv, remote, hits):
             return None
         seq.cached_tokens, seq.admitted = len(hits) * self.config.block_size, True
         seq.computed = seq.cached_tokens
@@ -228,15 +229,3 @@ class SimWorker:
         self.kv.cache_computed(seq.kv, seq.computed)
         seq.running = True
         self.running.append(seq)
-
-    def drain_leftovers(self) -> list[SimSeq]:
-        """Everything this worker still holds, for a replica removed without draining."""
-        seqs = list(self.waiting) + self.running + list(self.importing.values())
-        for seq in self.running + list(self.importing.values()):
-            self.kv.free(seq.kv)
-        for request_id in list(self.held):
-            self.release(request_id)
-        self.waiting.clear()
-        self.running.clear()
-        self.importing.clear()
-        return seqs
