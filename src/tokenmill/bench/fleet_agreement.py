@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         rows = [agreement(source, mode, args, work_dir) for source in sources for mode in modes]
     report = {"schema": SCHEMA, "profile": args.profile, "speedup": args.speedup, "live_runner": args.live_runner,
               "rows": rows}
-    Console().print(render_table(report))
+    Console(width=200).print(render_table(report))
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(report, indent=1) + "\n")
