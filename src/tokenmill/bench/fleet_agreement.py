@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-input-tokens", type=int, default=1024)
     parser.add_argument("--max-output-tokens", type=int, default=64)
     parser.add_argument("--time-scale", type=float, default=1.0, help="arrival times x this (model time)")
+    parser.add_argument("--threads", type=int, default=1, help="--live-runner torch: torch threads per worker "
+                        "(as `sim calibrate --model --threads` timed them)")
     parser.add_argument("--speedup", type=float, default=1.0, help="the live mock fleet runs this many times faster")
     parser.add_argument("--live-runner", choices=("mock", "torch"), default="mock",
                         help="torch: the live fleet runs the real engine (then --profile should be "
@@ -92,7 +94,7 @@ def prepare_trace(source: str, args: argparse.Namespace, work_dir: Path) -> Path
 
 def _serve_flags(args: argparse.Namespace, mode: str) -> tuple[list[str], int]:
     runner = (["--runner", "mock", "--mock-profile", args.profile, "--mock-speedup", str(args.speedup)]
-              if args.live_runner == "mock" else ["--runner", "torch"])
+              if args.live_runner == "mock" else ["--runner", "torch", "--threads", str(args.threads)])
     flags = ["--model", args.model, *runner, "--router", "kv", "--kv-cache-blocks", str(args.kv_cache_blocks),
              "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--served-model-name", SERVED_NAME, "--seed", str(args.seed)]

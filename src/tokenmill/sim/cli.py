@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal = sub.add_parser("calibrate", help="measure this machine into a cpu-local GPU entry")
     cal.add_argument("--out", type=Path, default=None, help="default ~/.cache/tokenmill/cpu-local.json")
     cal.add_argument("--quick", action="store_true", help="shorter measurements")
+    cal.add_argument("--model", default=None, help="also fit the step-time model to tokenmill's engine on this checkpoint")
+    cal.add_argument("--threads", type=int, default=1, help="torch threads of the engine timed with --model (as each worker)")
     from tokenmill.sim.fleet import cli as fleet_cli
 
     fleet_cli.add_arguments(sub)

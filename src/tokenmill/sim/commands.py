@@ -134,6 +134,6 @@ def validate_cmd(args: argparse.Namespace) -> int:
 def calibrate_cmd(args: argparse.Namespace) -> int:
     from tokenmill.sim.local_calibrate import calibrate_local
 
-    path = calibrate_local(args.out, quick=args.quick)
+    path = calibrate_local(args.out, quick=args.quick, model=args.model, threads=args.threads)
     print(f"wrote {path}")
     return 0

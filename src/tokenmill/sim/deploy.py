@@ -5,18 +5,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.sim.hardware import get_gpu
+from tokenmill.sim.hardware import CPU_LOCAL_NAME, cpu_local_tuning, get_gpu
 from tokenmill.sim.models import get_model
 from tokenmill.sim.operators import OpContext
 from tokenmill.sim.parallel import Parallel
 from tokenmill.sim.precision import PrecisionPlan
 from tokenmill.sim.serving import Workload, aggregated
-from tokenmill.sim.tuning import tuning_for
+from tokenmill.sim.tuning import Tuning, tuning_for
 
 
 def make_context(model: str, gpu: str, precision: str = "fp8", kv: str | None = None, backend: str | None = None) -> OpContext:
+    """`cpu-local` without a backend uses the tuning `sim calibrate --model` fitted to tokenmill's own
+    engine on this machine, when there is one; everything else a framework's fitted tuning."""
     m = get_model(model)
-    return OpContext(m, get_gpu(gpu), PrecisionPlan.named(precision, kv, moe=m.is_moe), tuning_for(backend, m.name))
+    spec = get_gpu(gpu)
+    local = cpu_local_tuning() if spec.name == CPU_LOCAL_NAME and backend is None else {}
+    tuning = Tuning().replace(**local) if local else tuning_for(backend, m.name)
+    return OpContext(m, spec, PrecisionPlan.named(precision, kv, moe=m.is_moe), tuning)
 
 
 @dataclass(slots=True, frozen=True)

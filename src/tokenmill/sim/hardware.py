@@ -110,12 +110,22 @@ def load_gpu_file(path: Path) -> GpuSpec:
     """Read a calibration file (`cpu-local`); files written before `power_w` existed get the stated default."""
     entry = json.loads(Path(path).read_text())
     name = entry.pop("name", CPU_LOCAL_NAME)
+    entry.pop("tuning", None)  # the engine's fitted overheads: `cpu_local_tuning`
     if "power_w" not in entry:
         log.warning("gpu %s: %s has no power_w; using %.0f W (an assumption: edit the file or rerun "
                     "`tokenmill sim calibrate`)", name, path, CPU_LOCAL_DEFAULT_POWER_W)
         entry["power_w"] = CPU_LOCAL_DEFAULT_POWER_W
         entry["sources"] = {**entry.get("sources", {}), "power_w": f"{CPU_LOCAL_POWER_SOURCE} (defaulted: the file had none)"}
     return _spec_from_dict(name, entry)
+
+
+def cpu_local_tuning(path: Path | None = None) -> dict[str, float]:
+    """Step-time tuning fields `sim calibrate --model` fitted to tokenmill's engine here ({} if none)."""
+    try:
+        fields = json.loads((path or cpu_local_path()).read_text()).get("tuning", {})
+    except (OSError, ValueError):
+        return {}
+    return fields if isinstance(fields, dict) else {}
 
 
 def get_gpu(name: str, cpu_local_file: Path | None = None) -> GpuSpec:

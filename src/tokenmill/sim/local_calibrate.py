@@ -60,7 +60,7 @@ def measure_op_latency(repeats: int) -> float:
     return _best_time(lambda: [torch.add(x, x) for _ in range(count)], repeats) / count
 
 
-def calibrate_local(out: Path | None = None, quick: bool = False) -> Path:
+def calibrate_local(out: Path | None = None, quick: bool = False, model: str | None = None, threads: int = 1) -> Path:
     n, reps, mb = (256, 3, 64) if quick else (1024, 5, 256)
     bf16, fp32 = measure_matmul_flops("bf16", n, reps), measure_matmul_flops("fp32", n, reps)
     bw, lat = measure_memory_bandwidth(mb, reps), measure_op_latency(reps)
@@ -81,7 +81,26 @@ def calibrate_local(out: Path | None = None, quick: bool = False) -> Path:
                          "power_w": power_src}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(entry, indent=1) + "\n")
+    if model is not None:
+        _fit_to_engine(entry, path, model, threads, measured)
     return path
+
+
+def _fit_to_engine(entry: dict, path: Path, model: str, threads: int, measured: str) -> None:
+    """Refit the entry's efficiency/latency fields and the engine's overheads to its real steps."""
+    from tokenmill.sim.engine_fit import fit_engine, measure_engine_steps
+    from tokenmill.sim.hardware import load_gpu_file
+
+    samples = measure_engine_steps(model, threads)
+    fit = fit_engine(model, load_gpu_file(path), samples)
+    log.info("cpu-local: engine steps of %s fitted, median error %.1f%% over %d shapes", model,
+             100 * fit.median_error, fit.samples)
+    entry.update(fit.gpu_fields)
+    entry["tuning"] = fit.tuning_fields
+    note = (f"{measured}: fitted to tokenmill's engine steps of {Path(model).name} ({threads} thread(s), "
+            f"{fit.samples} shapes, median error {100 * fit.median_error:.1f}%)")
+    entry["sources"].update({field: note for field in fit.gpu_fields} | {"tuning": note})
+    path.write_text(json.dumps(entry, indent=1) + "\n")
 
 
 def _previous_power(path: Path) -> tuple[float, str]:
