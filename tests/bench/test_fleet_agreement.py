@@ -17,8 +17,8 @@ import pytest
 from tokenmill.bench import fleet_agreement
 from tokenmill.datasets import MOONCAKE_TRACE, data_file
 
-ARGS = ["--profile", "llama-3.1-405b@h100:fp8:tp8", "--speedup", "0.5", "--max-requests", "30", "--time-scale", "0.4",
-        "--max-output-tokens", "16", "--tokens-per-hash-block", "64", "--kv-cache-blocks", "2000"]
+ARGS = ["--profile", "llama-3.1-405b@h100:fp8:tp8", "--speedup", "1", "--max-requests", "30", "--time-scale", "1",
+        "--max-output-tokens", "8", "--tokens-per-hash-block", "64", "--kv-cache-blocks", "2000"]
 # Records of the shipped trace whose prompts share prefixes with one another (1 and 121, 15 and 58, 74
 # and 90, ...), topped up with the first records whose prompts are long (>= 256 tokens at 64 tokens per
 # hash id: a TTFT of >= 100 ms modelled, far above the live system's own few ms), in trace order.
