@@ -52,7 +52,7 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0") -> EngineConfig:
     """Raises ValueError naming the flag for bad values. A `--mock-profile` is checked for
-    form here and resolved by the worker (`worker.mock_profile.apply_mock_profile`)."""
+    form here and resolved by the worker (`worker.mock_profile.resolve_mock_profile`)."""
     _check_mock_flags(args)
     return EngineConfig(
         model=args.model, dtype=args.dtype, threads=args.threads, block_size=args.block_size,
