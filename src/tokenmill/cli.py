@@ -25,25 +25,33 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
 
 
 def add_subcommands(parser: argparse.ArgumentParser, table: tuple[tuple[str, str, str], ...], dest: str,
-                    run_attr: str) -> None:
-    """One sub-parser per (name, module, help) row; the module's `run` is stored as `run_attr`."""
+                    run_attr: str, argv: list[str] | None = None) -> None:
+    """One sub-parser per (name, module, help) row; the module's `run` is stored as `run_attr`.
+
+    When `argv` names one of them, only that module is imported (the others stay bare
+    sub-parsers, enough for the usage line): a worker process starts without importing the
+    frontend, the benchmarks and the simulator."""
+    chosen = next((arg for arg in argv or () if arg in {row[0] for row in table}), None)
     sub = parser.add_subparsers(dest=dest, metavar=dest.upper(), required=True)
     for name, module_name, help_text in table:
-        module = importlib.import_module(module_name)
         cmd = sub.add_parser(name, help=help_text, description=help_text)
+        if chosen is not None and name != chosen:
+            continue
+        module = importlib.import_module(module_name)
         module.add_arguments(cmd)
         cmd.set_defaults(**{run_attr: module.run})
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)")
-    add_subcommands(parser, SUBCOMMANDS, "command", "_run")
+    add_subcommands(parser, SUBCOMMANDS, "command", "_run", argv)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -23,6 +23,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "KV-block transfers over shm and tcp between two processes, next to raw memcpy and socket"),
     ("router-replay", "tokenmill.bench.router_replay",
      "a Mooncake trace through tokenmill serve (mock workers) under each routing policy: TTFT, prefill, hits"),
+    ("prefix-routing", "tokenmill.bench.prefix_routing_bench",
+     "shared-prefix load through tokenmill serve (mock workers), kv vs round-robin: TTFT mean/p99, hits"),
     ("tiers", "tokenmill.bench.tiers_bench",
      "KV tiers on small-moe: agentic TTFT with host+disk vs device-only, cross-replica TTFT via a shared tier"),
     ("disagg", "tokenmill.bench.disagg_bench",
@@ -31,6 +33,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "the live mock fleet (--mock-profile) against the fleet simulator on the same trace slice"),
     ("fleet-sim", "tokenmill.bench.fleet_sim_bench",
      "fleet simulator speed: the whole Azure conv trace on the fleet it needs, wall time on one core"),
+    ("frontend", "tokenmill.bench.frontend_bench",
+     "serving hot path: wrk against tokenmill serve with instant mock workers: req/s, latency, CPU/1k req, RSS"),
 )
 
 

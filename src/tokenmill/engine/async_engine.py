@@ -1,10 +1,17 @@
-"""An asyncio front for `LLMEngine`: the engine steps on its own thread, and every
-request gets an async stream of `RequestOutput` deltas.
+"""An asyncio front for `LLMEngine`: every request gets an async stream of
+`RequestOutput` deltas.
 
-All engine calls happen on the engine thread; coroutines hand it commands through
-a thread-safe queue and get their results back through futures, so the engine
-itself needs no locks. A consumer that stops reading (client gone, task
-cancelled) aborts its request, which frees its KV blocks.
+A real forward pass steps on its own thread (torch releases the GIL while it computes,
+so the event loop keeps serving meanwhile). All engine calls happen on that thread;
+coroutines hand it commands through a thread-safe queue and get their results back
+through futures, so the engine itself needs no locks.
+
+The mock runner computes nothing, so a thread would only add GIL hand-offs and wake-ups
+to every step: it steps inline, as a task on the event loop, awaiting each step's
+modelled end instead of sleeping through it; commands then run at once, between steps.
+
+Either way, a consumer that stops reading (client gone, task cancelled) aborts its
+request, which frees its KV blocks.
 """
 from __future__ import annotations
 
@@ -13,18 +20,21 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.kv_handoff import ImportPlan
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
+from tokenmill.engine.mock_runner import MockRunner
 from tokenmill.engine.request import FINISH_ERROR, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+_TIMER_SLACK_S = 0.001  # the loop's timers fire to the millisecond; the last bit is slept exactly
 _Command = tuple[Callable[[], Any], concurrent.futures.Future]
 
 
@@ -45,18 +55,30 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._inline = isinstance(engine.runner, MockRunner)
+        self._inline_task: asyncio.Task | None = None
+        self._wake = asyncio.Event()  # inline: a command may have given the engine work
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self._inline:
+            self.engine.runner.defer_waits = True  # type: ignore[attr-defined]
+            self._inline_task = asyncio.create_task(self._run_inline())
+            return
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     def is_running(self) -> bool:
-        """True while the engine thread is alive (a dead one cannot serve)."""
+        """True while the engine's stepping (thread or task) is alive (a dead one cannot serve)."""
+        if self._inline:
+            return self._inline_task is not None and not self._inline_task.done()
         return self._thread is not None and self._thread.is_alive()
 
     async def stop(self) -> None:
         self._stopping.set()
+        if self._inline_task is not None:
+            self._wake.set()
+            await asyncio.gather(self._inline_task, return_exceptions=True)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
         self.engine.close()
@@ -124,12 +146,49 @@ class AsyncLLMEngine:
         return bool(await self._call(lambda: self.engine.pin_prefix(list(token_ids))))
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
+        if self._inline:
+            result = fn()  # between steps by construction: we are on the loop the steps run on
+            self._wake.set()
+            return result
         return await asyncio.wrap_future(self._submit(fn))
 
     def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, future))
+        if self._inline:
+            self._execute(fn, future)
+            self._wake.set()
+        else:
+            self._commands.put((fn, future))
         return future
+
+    # -- inline stepping (mock runner) ----------------------------------------------------
+
+    async def _run_inline(self) -> None:
+        runner: MockRunner = self.engine.runner  # type: ignore[assignment]
+        while not self._stopping.is_set():
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            outputs = self._step()
+            end = runner.take_step_end()
+            if end is not None:
+                await _sleep_until(end)
+            elif not outputs:  # nothing could be scheduled (e.g. waiting for KV): don't spin
+                await asyncio.sleep(_TIMER_SLACK_S)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put_nowait(out)
+            await asyncio.sleep(0)  # let the consumers and new requests in before the next step
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception:  # a failed step must not leave streams waiting forever
+            log.exception("engine step failed; failing every in-flight request")
+            return self._fail_all()
 
     # -- engine thread --------------------------------------------------------------------
 
@@ -138,12 +197,7 @@ class AsyncLLMEngine:
             self._drain_commands(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():
                 continue
-            try:
-                outputs = self.engine.step()
-            except Exception:  # a failed step must not leave streams waiting forever
-                log.exception("engine step failed; failing every in-flight request")
-                outputs = self._fail_all()
-            for out in outputs:
+            for out in self._step():
                 self._deliver(out)
 
     def _drain_commands(self, block: bool) -> None:
@@ -179,3 +233,13 @@ class AsyncLLMEngine:
         stream = self._streams.get(out.request_id)
         if stream is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(stream.put_nowait, out)
+
+
+async def _sleep_until(end: float) -> None:
+    """Until `time.perf_counter()` reaches `end`: on the loop's timer, then exactly."""
+    delay = end - time.perf_counter()
+    if delay > 2 * _TIMER_SLACK_S:
+        await asyncio.sleep(delay - _TIMER_SLACK_S)
+    remaining = end - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)

@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.mock_runner import StepTimeModel
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.step_work import StepClock
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                                  "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# dtype name -> bytes per element; torch is imported only where tensors are made, so a
+# mock worker (no weights, no forward pass) never loads it
+DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_KV_CACHE_GB = 1.0
 
 
@@ -85,14 +88,19 @@ class EngineConfig:
             raise ValueError("KV tiers (kv_host_gb, kv_disk_dir, kv_shared) need runner 'torch': "
                              "the mock runner holds no KV to offload")
 
-    def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
+    def dtype_name(self, model_cfg: ModelConfig) -> str:
         name = model_cfg.checkpoint_dtype if self.dtype == "auto" else self.dtype
-        return DTYPES.get(name, torch.float32)
+        return name if name in DTYPES else "float32"
+
+    def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name(model_cfg))
 
     def kv_blocks(self, model_cfg: ModelConfig) -> int:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         gb = self.kv_cache_gb if self.kv_cache_gb is not None else DEFAULT_KV_CACHE_GB
-        itemsize = torch.empty(0, dtype=self.torch_dtype(model_cfg)).element_size()
+        itemsize = DTYPES[self.dtype_name(model_cfg)]
         per_block = 2 * model_cfg.num_layers * self.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
         return max(1, int(gb * 2**30) // per_block)

@@ -11,16 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kv_handoff import ImportPlan, KVHandoff
-from tokenmill.engine.kv_tiers_wiring import attach_tiers
 from tokenmill.engine.mock_runner import MockRunner
 from tokenmill.engine.model_config import ModelConfig, load_model_config
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import FINISH_HANDOFF, FINISH_STOP, Request, RequestOutput
-from tokenmill.engine.runner import KVAllocator, ModelRunner, Sampled, TorchModelRunner
+from tokenmill.engine.runner_protocol import KVAllocator, ModelRunner, Sampled
 from tokenmill.engine.sampling import SamplingParams, TokenLogprob
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.tokenizer import Tokenizer
@@ -60,7 +57,9 @@ class LLMEngine:
                  kv_allocator: KVAllocator | None = None) -> None:
         self.config = config
         self.model_config: ModelConfig = load_model_config(config.model)
-        if config.threads is not None:
+        if config.threads is not None and config.runner == "torch":
+            import torch
+
             torch.set_num_threads(config.threads)
         self.tokenizer = tokenizer or (Tokenizer(config.model) if load_tokenizer else None)
         num_blocks = config.kv_blocks(self.model_config)
@@ -73,10 +72,15 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.runner: ModelRunner = self._make_runner(num_blocks, kv_allocator)
         self.handoff = KVHandoff(self.scheduler, self.kv)
-        self.tiers = attach_tiers(self) if config.kv_tiers_enabled else None
+        self.tiers = self._attach_tiers() if config.kv_tiers_enabled else None
         self.requests: dict[str, Request] = {}
         self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0)
         self._seconds = dict(prefill=0.0, decode=0.0)
+
+    def _attach_tiers(self):
+        from tokenmill.engine.kv_tiers_wiring import attach_tiers  # torch: tiers copy real KV
+
+        return attach_tiers(self)
 
     def _max_model_len(self, num_blocks: int) -> int:
         limit = min(self.model_config.max_position_embeddings, num_blocks * self.config.block_size)
@@ -95,6 +99,7 @@ class LLMEngine:
             specials = self.tokenizer.special_token_ids if self.tokenizer else frozenset()
             return MockRunner(self.config.mock_step_time, cfg.vocab_size, specials, self.config.mock_sleep,
                               self.config.mock_speedup)
+        from tokenmill.engine.runner import TorchModelRunner  # torch: only for a real forward pass
         from tokenmill.engine.weights import load_model
 
         dtype = self.config.torch_dtype(cfg)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from tokenmill.engine.runner import Sampled
+from tokenmill.engine.runner_protocol import Sampled
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.engine.step_work import StepClock, StepWork, work_of
 from tokenmill.kv.cache_manager import KVCacheManager
@@ -59,16 +59,28 @@ class MockRunner:
         self.sleep = sleep
         self.speedup = speedup
         self.modelled_seconds = 0.0  # unscaled model time of every step so far (speedup not applied)
+        # Set by an asyncio driver (AsyncLLMEngine): the step's end is recorded, not slept
+        # through, and the driver awaits it, so the worker's event loop keeps serving.
+        self.defer_waits = False
         self._last_end: float | None = None  # perf_counter when the previous step's modelled time ended
         self._last_ids: set[str] = set()
+        self._pending_end: float | None = None
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
         seconds = self.clock.seconds(step_work(out))
         self.modelled_seconds += seconds
         if self.sleep:
             self._wait(seconds / self.speedup, {s.request.request_id for s in out.seqs})
+        elif self.defer_waits:
+            self._pending_end = time.perf_counter()
         return {s.request.request_id: (self._next_token(s.request.token_ids), None)
                 for s in out.seqs if s.samples}
+
+    def take_step_end(self) -> float | None:
+        """With `defer_waits`: the perf_counter instant the last step's tokens exist (None: no
+        step ran since the last call)."""
+        end, self._pending_end = self._pending_end, None
+        return end
 
     def _wait(self, seconds: float, request_ids: set[str]) -> None:
         """Wait out the step, timed from the end of the previous one when it continues that one.
@@ -81,9 +93,11 @@ class MockRunner:
         now = time.perf_counter()
         continues = self._last_end is not None and not request_ids.isdisjoint(self._last_ids)
         end = max((self._last_end if continues else now) + seconds, now)  # type: ignore[operator]
-        if end > now:
-            time.sleep(end - now)
         self._last_end, self._last_ids = end, request_ids
+        if self.defer_waits:
+            self._pending_end = end
+        elif end > now:
+            time.sleep(end - now)
 
     def _next_token(self, token_ids: list[int]) -> int:
         # Depends on the last token and the position only: cheap, and identical on any worker.

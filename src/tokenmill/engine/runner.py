@@ -5,9 +5,6 @@ differs. `TorchModelRunner` runs the real model on the paged KV cache.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
-
 import numpy as np
 import torch
 
@@ -15,19 +12,11 @@ from tokenmill.engine import kernels
 from tokenmill.engine.attention import AttentionBatch, DecodeBatch, SeqSpan, allocate_kv_cache
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.transformer import CausalLM
-from tokenmill.engine.sampling import SampleRow, TokenLogprob, sample
+from tokenmill.engine.runner_protocol import KVAllocator, Sampled
+from tokenmill.engine.sampler import sample
+from tokenmill.engine.sampling import SampleRow
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.kv.cache_manager import KVCacheManager
-
-Sampled = dict[str, tuple[int, TokenLogprob | None]]
-# (shape, dtype) -> zero-filled tensor: lets a worker put the KV pool in shared memory
-KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-
-
-class ModelRunner(Protocol):
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
-        """Compute the step; return a token for every request whose step reached its end."""
-        ...
 
 
 class TorchModelRunner:

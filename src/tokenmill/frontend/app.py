@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app over any `Backend`.
 
 `create_app(backend, served_model_name)` wires the routes, the OpenAI error
-handlers and a per-app metrics registry. The app starts the backend when it starts
+handlers and a per-app metrics registry; the generation endpoints skip FastAPI's
+dispatch (`hot_routes.py`). The app starts the backend when it starts
 and stops it when it stops, unless `manage_backend=False` (the caller owns it).
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -22,8 +24,9 @@ from tokenmill.frontend.generation import ServingContext
 from tokenmill.frontend.metrics import FrontendMetrics
 from tokenmill.frontend.request_args import check_model
 from tokenmill.frontend.routes_admin import admin_router
-from tokenmill.frontend.routes_chat import chat_router
-from tokenmill.frontend.routes_completions import completions_router
+from tokenmill.frontend.hot_routes import HotRoutes
+from tokenmill.frontend.routes_chat import create_chat_completion
+from tokenmill.frontend.routes_completions import create_completion
 from tokenmill.frontend.schema import ModelCard, ModelList
 
 log = logging.getLogger(__name__)
@@ -33,9 +36,9 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour: float | None = None,
                request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, manage_backend: bool = True) -> FastAPI:
-    """`request_timeout_s` is every request's deadline (None: none); `usd_per_worker_hour` enables
-    the `tokenmill_cost_per_million_output_tokens_usd` gauge."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, manage_backend: bool = True) -> HotRoutes:
+    """The ASGI app. `request_timeout_s` is every request's deadline (None: none);
+    `usd_per_worker_hour` enables the `tokenmill_cost_per_million_output_tokens_usd` gauge."""
     metrics = FrontendMetrics(backend.metrics_snapshot, usd_per_worker_hour)
     ctx = ServingContext(backend, metrics, served_model_name, request_timeout_s, max_body_bytes, int(time.time()))
 
@@ -52,11 +55,11 @@ def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour:
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = ctx
     install_error_handlers(app, metrics.count_http_error)
-    app.include_router(completions_router(ctx))
-    app.include_router(chat_router(ctx))
     app.include_router(admin_router(ctx))
     _add_service_routes(app, ctx)
-    return app
+    hot = {"/v1/completions": partial(create_completion, ctx),
+           "/v1/chat/completions": partial(create_chat_completion, ctx)}
+    return HotRoutes(app, hot, metrics.count_http_error)
 
 
 def _model_card(ctx: ServingContext) -> ModelCard:

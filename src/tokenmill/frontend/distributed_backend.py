@@ -32,6 +32,7 @@ from tokenmill.frontend.backend import BackendUnavailable, Overloaded
 from tokenmill.router.disagg import REMOTE, DisaggConfig, DisaggPolicy
 from tokenmill.frontend.metrics import tier_gauges
 from tokenmill.frontend.prefill import RemotePrefill
+from tokenmill.frontend.inbox import StreamInbox
 from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool, next_message
 from tokenmill.kv.hashing import block_hashes
 from tokenmill.router.decision import RoutingRequest
@@ -186,7 +187,7 @@ class DistributedBackend:
                 else:
                     if not progress.generated:
                         self.pool.router.on_first_token(request_id)
-                    out = self._account(p.output_from_wire(msg), progress)
+                    out = self._account(_merge_ready(p.output_from_wire(msg), queue), progress)
                     worker_done = progress.finished = out.finished
                     yield out
         finally:
@@ -220,14 +221,16 @@ class DistributedBackend:
 
     @staticmethod
     def _account(out: RequestOutput, progress: _Progress) -> RequestOutput:
-        """Report counts relative to the client's request, not to this attempt."""
+        """Report counts relative to the client's request, not to this attempt (`out` is ours
+        to change: it was just decoded from the wire)."""
         if progress.num_cached_tokens is None:
             progress.num_cached_tokens = out.num_cached_tokens
         progress.generated.extend(out.new_token_ids)
         progress.text_pending = out.text_pending_tokens
-        return dataclasses.replace(out, num_prompt_tokens=len(progress.prompt),
-                                   num_output_tokens=len(progress.generated),
-                                   num_cached_tokens=progress.num_cached_tokens)
+        out.num_prompt_tokens = len(progress.prompt)
+        out.num_output_tokens = len(progress.generated)
+        out.num_cached_tokens = progress.num_cached_tokens
+        return out
 
     @staticmethod
     def _final(request_id: str, progress: _Progress, reason: str) -> RequestOutput:
@@ -236,8 +239,23 @@ class DistributedBackend:
                              progress.num_cached_tokens or 0)
 
 
-async def _reply(queue: asyncio.Queue[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
-    try:
-        return await asyncio.wait_for(queue.get(), timeout_s)
-    except TimeoutError:
-        return {"ok": False, "error": "no answer from the worker"}
+def _merge_ready(out: RequestOutput, inbox: StreamInbox) -> RequestOutput:
+    """`out` joined with the token frames already waiting behind it: a consumer that fell
+    behind (a busy frontend) catches up in one delta, one SSE event, instead of one per frame."""
+    while not out.finished:
+        nxt = inbox.peek()
+        if nxt is None or nxt is LOST or nxt.get("type") != p.TOKENS:
+            break
+        inbox.get_nowait()
+        more = p.output_from_wire(nxt)
+        out.new_token_ids += more.new_token_ids
+        out.new_text += more.new_text
+        out.new_logprobs += more.new_logprobs
+        out.finished, out.finish_reason, out.stop_reason = more.finished, more.finish_reason, more.stop_reason
+        out.num_output_tokens, out.text_pending_tokens = more.num_output_tokens, more.text_pending_tokens
+    return out
+
+
+async def _reply(inbox: StreamInbox, timeout_s: float) -> dict[str, Any]:
+    reply = await inbox.get(time.monotonic() + timeout_s)
+    return reply if reply is not None else {"ok": False, "error": "no answer from the worker"}

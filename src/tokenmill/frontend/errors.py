@@ -9,7 +9,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -106,37 +106,30 @@ def _http_error(status: int, message: str) -> APIError:
     return APIError(status, message, type_, code=code)
 
 
-def install_error_handlers(app: FastAPI, count_error: Callable[[int], None] | None = None) -> None:
-    """`count_error(status)` sees every refusal a route handler raised (for the request metrics)."""
-    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
-        error = cast(APIError, exc)
+def error_response(request: Request, exc: Exception,
+                   count_error: Callable[[int], None] | None = None) -> JSONResponse:
+    """The OpenAI error response for anything a route handler raised; `count_error(status)`
+    sees the refusals the handlers raised themselves (for the request metrics)."""
+    if isinstance(exc, APIError):
         if count_error is not None:
-            count_error(error.status)
-        return error_json(error)
+            count_error(exc.status)
+        return error_json(exc)
+    if isinstance(exc, RequestValidationError):
+        return error_json(from_validation_errors(exc.errors()))
+    if isinstance(exc, StarletteHTTPException):
+        return error_json(_http_error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+    if isinstance(exc, Overloaded):
+        return error_json(overloaded_error(exc))
+    if isinstance(exc, BackendUnavailable):
+        return error_json(unavailable_error(exc))
+    log.exception("unhandled error serving %s %s", request.method, request.url.path, exc_info=exc)
+    return error_json(APIError(500, "internal server error", SERVER_ERROR, code="internal_error"))
 
-    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
-        errors = exc.errors() if isinstance(exc, RequestValidationError) else []
-        return error_json(from_validation_errors(errors))
 
-    async def on_http(request: Request, exc: Exception) -> JSONResponse:
-        status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
-        detail = exc.detail if isinstance(exc, StarletteHTTPException) else "error"
-        message = f"{request.method} {request.url.path}: {detail}"
-        return error_json(_http_error(status, message))
+def install_error_handlers(app: FastAPI, count_error: Callable[[int], None] | None = None) -> None:
+    """Route every exception a FastAPI route raises through `error_response`."""
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(request, exc, count_error)
 
-    async def on_overloaded(_: Request, exc: Exception) -> JSONResponse:
-        return error_json(overloaded_error(cast(Overloaded, exc)))
-
-    async def on_unavailable(_: Request, exc: Exception) -> JSONResponse:
-        return error_json(unavailable_error(cast(BackendUnavailable, exc)))
-
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error serving %s %s", request.method, request.url.path, exc_info=exc)
-        return error_json(APIError(500, "internal server error", SERVER_ERROR, code="internal_error"))
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Overloaded, on_overloaded)
-    app.add_exception_handler(BackendUnavailable, on_unavailable)
-    app.add_exception_handler(Exception, on_unexpected)
+    for kind in (APIError, RequestValidationError, StarletteHTTPException, Overloaded, BackendUnavailable, Exception):
+        app.add_exception_handler(kind, handle)

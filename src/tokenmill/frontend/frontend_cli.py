@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from tokenmill.frontend.launch import add_frontend_flags, make_backend, run_http
+from tokenmill.runtime import event_loop
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(run_http(args, backend))
+        event_loop.run(run_http(args, backend))
     except KeyboardInterrupt:
         pass
     return 0

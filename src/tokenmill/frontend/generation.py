@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TypeVar
 
-from fastapi import Request
+from starlette.types import Receive
 
 from tokenmill.engine.request import FINISH_ABORT, FINISH_ERROR, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
@@ -23,9 +22,6 @@ from tokenmill.frontend.errors import APIError, from_value_error, overloaded_err
 from tokenmill.frontend.metrics import FrontendMetrics, RequestTimer
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
 
 @dataclass(slots=True)
 class ServingContext:
@@ -36,10 +32,6 @@ class ServingContext:
     request_timeout_s: float | None
     max_body_bytes: int
     created: int
-
-
-class ClientGone(Exception):
-    """The client closed the connection before the response started."""
 
 
 def outcome(finish_reason: str | None) -> str:
@@ -107,27 +99,44 @@ class TokenStream:
         return [out async for out in self.deltas()]
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it (and so aborting its generation) if the client hangs up first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.create_task(_wait_for_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # the handler itself was cancelled (shutdown): take the work down with it
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, APIError):
-        pass
-    raise ClientGone()
+class CancelOnDisconnect:
+    """`async with CancelOnDisconnect(receive) as guard:` — if the client hangs up inside the
+    block, the current task is cancelled there (so its generation is aborted and its KV freed),
+    the cancellation ends at the block, and `guard.gone` is True. One watcher task per block:
+    the work itself runs in the request's own task, not in one more."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.receive = receive
+        self.gone = False
+        self._active = False
+        self._task: asyncio.Task | None = None
+        self._watcher: asyncio.Future | None = None
+
+    async def __aenter__(self) -> CancelOnDisconnect:
+        self._task = asyncio.current_task()
+        self._active = True
+        self._watcher = asyncio.ensure_future(_wait_for_disconnect(self.receive))
+        self._watcher.add_done_callback(self._on_watcher_done)
+        return self
+
+    def _on_watcher_done(self, watcher: asyncio.Future) -> None:
+        if watcher.cancelled() or watcher.exception() is not None:
+            return
+        self.gone = True
+        if self._active and self._task is not None:
+            self._task.cancel()
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        self._active = False
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if kind is not None and issubclass(kind, (asyncio.CancelledError, APIError)) and self.gone:
+            if issubclass(kind, asyncio.CancelledError) and self._task is not None:
+                self._task.uncancel()
+            return True  # the client left: nothing to answer, nothing to propagate
+        return False

@@ -77,6 +77,7 @@ async def run_http(args: argparse.Namespace, backend) -> None:
     app = create_app(backend, model_name(args), usd_per_worker_hour=args.usd_per_worker_hour or None,
                      request_timeout_s=args.request_timeout_s)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           http="httptools", access_log=False,
                                            timeout_graceful_shutdown=5))
     log.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
     if threading.current_thread() is threading.main_thread():

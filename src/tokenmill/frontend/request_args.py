@@ -6,16 +6,25 @@ silently ignoring them would return something the client did not ask for.
 """
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jinja2
 
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.errors import APIError, from_value_error, invalid_param
-from tokenmill.frontend.schema import ChatCompletionRequest, CompletionRequest, SamplingFields
+from tokenmill.frontend.schema import (ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields,
+                                      TextContentPart)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Prompts up to this many characters are tokenized on the event loop (tens of microseconds);
+# longer ones on a thread, so a long prompt cannot stall every other stream. The thread
+# hop costs more than tokenizing a short prompt, and contends for the GIL besides.
+INLINE_TOKENIZE_CHARS = 8192
+
+BodyT = TypeVar("BodyT")
 
 
 def check_model(requested: str, served: str) -> None:
@@ -74,6 +83,27 @@ def check_context_length(prompt: list[int], max_model_len: int, param: str) -> N
         raise invalid_param(param, f"This model's maximum context length is {max_model_len} tokens, but the "
                                    f"{param} has {len(prompt)} tokens (and at least one token must be generated)",
                             code="context_length_exceeded")
+
+
+def prompt_chars(prompt: Any) -> int:
+    """The characters a prompt, or a chat's messages, hold: what tokenizing it will cost."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, ChatMessage):
+        return prompt_chars(prompt.content)
+    if isinstance(prompt, TextContentPart):
+        return len(prompt.text)
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # token ids need none
+        return sum(prompt_chars(part) for part in prompt)
+    return 0
+
+
+async def tokenized(tokenize: Callable[[BodyT, Tokenizer], list[int]], body: BodyT, tokenizer: Tokenizer,
+                    chars: int) -> list[int]:
+    """`tokenize(body, tokenizer)`: inline for short prompts, on a thread for long ones."""
+    if chars <= INLINE_TOKENIZE_CHARS:
+        return tokenize(body, tokenizer)
+    return await asyncio.to_thread(tokenize, body, tokenizer)
 
 
 def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer) -> list[int]:

@@ -6,9 +6,9 @@ it has no text).
 """
 from __future__ import annotations
 
-import asyncio
+from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from tokenmill.engine.request import RequestOutput
@@ -17,33 +17,34 @@ from tokenmill.frontend.body import parse_body
 from tokenmill.frontend.formatting import api_finish_reason, chat_logprobs, new_request_id, usage_of
 from tokenmill.frontend.generation import ServingContext
 from tokenmill.frontend.request_args import (chat_limits, chat_prompt, check_context_length, check_request,
-                                             sampling_params)
-from tokenmill.frontend.schema import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatChunkChoice,
-                                       ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-                                       Usage)
-from tokenmill.frontend.streaming import ChunkWriter, serve_generation
+                                             prompt_chars, sampling_params, tokenized)
+from tokenmill.frontend.schema import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
+                                       ChatCompletionResponse)
+from tokenmill.frontend.streaming import ChunkWriter, SSEResponse, serve_generation
 
 
 class ChatChunks(ChunkWriter):
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                                   usage=usage)
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self.envelope("chat.completion.chunk", choices, usage)
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs | None:
         return chat_logprobs(self.tokenizer, logprobs) if self.want_logprobs else None
 
-    def opening(self) -> list[ChatCompletionChunk]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])]
 
-    def for_delta(self, out: RequestOutput) -> list[ChatCompletionChunk]:
+    def for_delta(self, out: RequestOutput) -> list[dict[str, Any]]:
         if self.skips(out):
             return []
-        delta = ChatDelta(content=out.new_text if (out.new_text or not out.finished) else None)
-        choice = ChatChunkChoice(delta=delta, logprobs=self._logprobs(out.new_logprobs),
-                                 finish_reason=api_finish_reason(out.finish_reason) if out.finished else None)
+        # OpenAI's final chunk carries `"delta": {}`, not a delta full of nulls
+        delta = {"content": out.new_text} if (out.new_text or not out.finished) else {}
+        logprobs = self._logprobs(out.new_logprobs)
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs.model_dump() if logprobs else None,
+                  "finish_reason": api_finish_reason(out.finish_reason) if out.finished else None}
         return [self._chunk([choice])]
 
-    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return self._chunk([], usage)
 
     def whole(self, outputs: list[RequestOutput]) -> ChatCompletionResponse:
@@ -55,21 +56,14 @@ class ChatChunks(ChunkWriter):
                                       usage=usage_of(last))
 
 
-def chat_router(ctx: ServingContext) -> APIRouter:
-    router = APIRouter()
-
-    @router.post("/v1/chat/completions")
-    async def create_chat_completion(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, ctx.max_body_bytes)
-        check_request(body, ctx.served_model_name)
-        # off the event loop: a long prompt takes seconds to tokenize, stalling every stream
-        prompt = await asyncio.to_thread(chat_prompt, body, ctx.backend.tokenizer)
-        check_context_length(prompt, ctx.backend.max_model_len, "messages")
-        max_tokens, logprobs, limit_field = chat_limits(body, len(prompt), ctx.backend.max_model_len)
-        aliases = {"prompt": "messages", "max_tokens": limit_field, "logprobs": "top_logprobs"}
-        params = sampling_params(body, max_tokens, logprobs, aliases)
-        chunks = ChatChunks(new_request_id("chatcmpl"), ctx.served_model_name, ctx.backend.tokenizer,
-                            logprobs is not None)
-        return await serve_generation(ctx, request, body, prompt, params, aliases, chunks)
-
-    return router
+async def create_chat_completion(ctx: ServingContext, request: Request) -> Response | SSEResponse:
+    body = await parse_body(request, ChatCompletionRequest, ctx.max_body_bytes)
+    check_request(body, ctx.served_model_name)
+    prompt = await tokenized(chat_prompt, body, ctx.backend.tokenizer, prompt_chars(body.messages))
+    check_context_length(prompt, ctx.backend.max_model_len, "messages")
+    max_tokens, logprobs, limit_field = chat_limits(body, len(prompt), ctx.backend.max_model_len)
+    aliases = {"prompt": "messages", "max_tokens": limit_field, "logprobs": "top_logprobs"}
+    params = sampling_params(body, max_tokens, logprobs, aliases)
+    chunks = ChatChunks(new_request_id("chatcmpl"), ctx.served_model_name, ctx.backend.tokenizer,
+                        logprobs is not None)
+    return await serve_generation(ctx, request, body, prompt, params, aliases, chunks)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tokenmill.frontend.launch import (add_frontend_flags, disagg_config, make_backend, model_name, router_policy,
                                       run_http)
+from tokenmill.runtime import event_loop
 from tokenmill.transfer.memory import remove_shared_files_of
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="tokenmill-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return asyncio.run(_serve(args, run_dir, engine_argv(args)))
+        return event_loop.run(_serve(args, run_dir, engine_argv(args)))
     except KeyboardInterrupt:
         return 0
     finally:
@@ -67,9 +68,10 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
     registry = run_dir / "registry"
     discovery = FileDiscovery(registry)
     specs = [ChildSpec(name, _worker_argv(args, name, role, run_dir, engine_args)) for name, role in _workers(args)]
-    backend = make_backend(args, discovery)
+    # the workers start first, all at once: they boot while this process loads the frontend
     supervisor = Supervisor(specs, on_exit=lambda name: _worker_died(backend, discovery, name, supervisor.pid(name)))
     supervisor.start()
+    backend = make_backend(args, discovery)
     watcher = asyncio.create_task(supervisor.watch())
     try:
         await run_http(args, backend)

@@ -4,38 +4,45 @@ With `stream_options.include_usage`, every chunk carries `"usage": null` and one
 chunk with empty `choices` carries the usage (as OpenAI does); without it, chunks
 have no `usage` key. A generation that fails mid-stream sends
 `data: {"error": {...}}` and then `data: [DONE]`.
+
+Chunks are plain dicts serialized with orjson (the pydantic models in `schema.py` define
+the same shapes, and the tests hold the two together): a stream of N tokens would
+otherwise build and validate N response models. `SSEResponse` writes the frames itself,
+with one watcher task for a client hang-up, instead of Starlette's per-stream task group.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine.request import FINISH_ERROR, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.errors import SERVER_ERROR, APIError, error_body
 from tokenmill.frontend.formatting import usage_of
-from tokenmill.frontend.generation import ClientGone, ServingContext, TokenStream, cancel_on_disconnect
-from tokenmill.frontend.schema import ErrorDetail, SamplingFields, Usage
+from tokenmill.frontend.generation import CancelOnDisconnect, ServingContext, TokenStream
+from tokenmill.frontend.schema import ErrorDetail, SamplingFields
 
 log = logging.getLogger(__name__)
 # nginx's "client closed request": nobody reads it, but access logs should say what happened.
 CLIENT_CLOSED_REQUEST = 499
 
-DONE_FRAME = "data: [DONE]\n\n"
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE_FRAME = b"data: [DONE]\n\n"
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
 
 
 class ChunkWriter:
-    """One request's response objects: the streamed chunks and the one-shot body (per endpoint)."""
+    """One request's response objects: the streamed chunks (dicts) and the one-shot body (per endpoint)."""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool) -> None:
         self.request_id = request_id
@@ -44,39 +51,43 @@ class ChunkWriter:
         self.tokenizer = tokenizer
         self.want_logprobs = want_logprobs
 
-    def opening(self) -> list[BaseModel]:
+    def opening(self) -> list[dict[str, Any]]:
         return []
 
-    def for_delta(self, out: RequestOutput) -> list[BaseModel]:
+    def for_delta(self, out: RequestOutput) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def usage_chunk(self, usage: Usage) -> BaseModel:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
     def whole(self, outputs: list[RequestOutput]) -> BaseModel:
         raise NotImplementedError
+
+    def envelope(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        """The fields every chunk opens with, in OpenAI's order (`schema._Envelope`)."""
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices, "usage": usage}
 
     def skips(self, out: RequestOutput) -> bool:
         """A delta with nothing to show: its text is held back (a partial character, a possible stop string)."""
         return not out.new_text and not out.finished and not (self.want_logprobs and out.new_logprobs)
 
 
-def sse_frame(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse_frame(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def _chunk_frame(chunk: BaseModel, include_usage: bool) -> str:
-    payload = chunk.model_dump(mode="json")
+def _chunk_frame(chunk: dict[str, Any], include_usage: bool) -> bytes:
     if not include_usage:
-        payload.pop("usage", None)
-    return sse_frame(payload)
+        chunk.pop("usage", None)
+    return sse_frame(chunk)
 
 
-def error_frame(message: str) -> str:
+def error_frame(message: str) -> bytes:
     return sse_frame(error_body(ErrorDetail(message=message, type=SERVER_ERROR, code="internal_error")))
 
 
-async def sse_events(stream: TokenStream, writer: ChunkWriter, include_usage: bool) -> AsyncIterator[str]:
+async def sse_events(stream: TokenStream, writer: ChunkWriter, include_usage: bool) -> AsyncIterator[bytes]:
     for chunk in writer.opening():
         yield _chunk_frame(chunk, include_usage)
     failed = False
@@ -86,35 +97,48 @@ async def sse_events(stream: TokenStream, writer: ChunkWriter, include_usage: bo
                 failed = True
                 yield error_frame(stream.error_message or "generation failed")
                 continue
-            for chunk in writer.for_delta(out):
-                yield _chunk_frame(chunk, include_usage)
+            frames = [_chunk_frame(chunk, include_usage) for chunk in writer.for_delta(out)]
+            if frames:
+                yield b"".join(frames)
     if include_usage and not failed:
-        yield _chunk_frame(writer.usage_chunk(usage_of(stream.last)), include_usage=True)
+        yield _chunk_frame(writer.usage_chunk(usage_of(stream.last).model_dump()), include_usage=True)
     yield DONE_FRAME
 
 
-def sse_response(stream: TokenStream, writer: ChunkWriter, include_usage: bool) -> StreamingResponse:
-    return StreamingResponse(sse_events(stream, writer, include_usage), media_type="text/event-stream",
-                             headers=_SSE_HEADERS)
+class SSEResponse:
+    """An ASGI response streaming `frames`; a client hang-up stops it and closes `frames`
+    (which aborts the generation)."""
+
+    def __init__(self, frames: AsyncIterator[bytes]) -> None:
+        self.frames = frames
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        async with CancelOnDisconnect(receive) as guard, contextlib.aclosing(self.frames) as frames:
+            async for frame in frames:
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if guard.gone:
+            log.info("client left mid-stream; aborted")
 
 
 async def serve_generation(ctx: ServingContext, request: Request, body: SamplingFields, prompt: list[int],
-                           params: SamplingParams, aliases: dict[str, str], writer: ChunkWriter) -> Response:
+                           params: SamplingParams, aliases: dict[str, str],
+                           writer: ChunkWriter) -> Response | SSEResponse:
     """Run one generation and answer with SSE (`body.stream`) or one JSON body."""
     request_id = writer.request_id
-    try:
-        tokens = await cancel_on_disconnect(request, TokenStream.open(ctx, request_id, prompt, params, aliases))
-    except ClientGone:
-        ctx.metrics.count_request("disconnected")
-        log.info("client left before %s started", request_id)
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    if body.stream:
-        return sse_response(tokens, writer, bool(body.stream_options and body.stream_options.include_usage))
-    try:
-        outputs = await cancel_on_disconnect(request, tokens.collect())
-    except ClientGone:
+    tokens: TokenStream | None = None
+    async with CancelOnDisconnect(request.receive) as guard:
+        tokens = await TokenStream.open(ctx, request_id, prompt, params, aliases)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return SSEResponse(sse_events(tokens, writer, include_usage))
+        outputs = await tokens.collect()
+    if guard.gone or tokens is None:
+        if tokens is None:  # an opened stream counts its own outcome ("disconnected")
+            ctx.metrics.count_request("disconnected")
         log.info("client left during %s; aborted", request_id)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if outputs[-1].finish_reason == FINISH_ERROR:
         raise APIError(500, tokens.error_message or "generation failed", SERVER_ERROR, code="internal_error")
-    return JSONResponse(writer.whole(outputs).model_dump(mode="json"))
+    return Response(writer.whole(outputs).model_dump_json(), media_type="application/json")

@@ -19,37 +19,39 @@ import time
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
+from tokenmill.frontend.inbox import StreamInbox
 from tokenmill.kv.events import event_from_wire
 from tokenmill.router.indexer import ApplyStatus
 from tokenmill.router.policies import Router
 from tokenmill.runtime import protocol as p
 from tokenmill.runtime.discovery import Discovery, WorkerInfo
+from tokenmill.runtime.zmq_reader import SocketReader
 
 log = logging.getLogger(__name__)
 
 LOST: dict[str, Any] = {"type": "worker_lost"}
+STARTUP_POLL_S = 0.02
 
 
 class WorkerConnection:
-    def __init__(self, info: WorkerInfo, ctx: zmq.asyncio.Context, router: Router) -> None:
+    def __init__(self, info: WorkerInfo, ctx: zmq.Context, router: Router) -> None:
         self.info = info
         self.router = router
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(info.address)
-        self.streams: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self.streams: dict[str, StreamInbox] = {}
         self.last_seen = time.monotonic()
         self.load: dict[str, float] = dict(info.metadata)
-        self._tasks = [asyncio.create_task(self._read())]
-        self._events: zmq.asyncio.Socket | None = None
+        self._reader = SocketReader(self.socket, self._on_frames)
+        self._events: SocketReader | None = None
         if info.metadata.get("events_address") and router.indexer is not None:
-            self._events = ctx.socket(zmq.SUB)
-            self._events.setsockopt(zmq.LINGER, 0)
-            self._events.setsockopt(zmq.SUBSCRIBE, b"")
-            self._events.connect(info.metadata["events_address"])
-            self._tasks.append(asyncio.create_task(self._read_events(self._events)))
+            events = ctx.socket(zmq.SUB)
+            events.setsockopt(zmq.LINGER, 0)
+            events.setsockopt(zmq.SUBSCRIBE, b"")
+            events.connect(info.metadata["events_address"])
+            self._events = SocketReader(events, self._on_events)
         self.send({"type": p.HELLO})
 
     @property
@@ -57,7 +59,9 @@ class WorkerConnection:
         return self.info.worker_id
 
     def send(self, message: dict[str, Any]) -> None:
+        """Raises zmq.ZMQError when the worker's queue is full or the socket is gone."""
         self.socket.send(p.pack(message), flags=zmq.NOBLOCK)
+        self._reader.poke()
 
     def send_quietly(self, message: dict[str, Any]) -> None:
         """`send` for what may be lost (an abort, a release): the worker times it out itself."""
@@ -66,59 +70,62 @@ class WorkerConnection:
         except zmq.ZMQError as exc:
             log.debug("could not send to %s: %s", self.worker_id, exc)
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[dict[str, Any]]:
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.streams[request_id] = queue
-        return queue
+    def open_stream(self, request_id: str) -> StreamInbox:
+        inbox = self.streams[request_id] = StreamInbox()
+        return inbox
 
     def close_stream(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
 
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for queue in self.streams.values():
-            queue.put_nowait(LOST)
+        self._reader.close()
+        for inbox in self.streams.values():
+            inbox.put(LOST)
         self.streams.clear()
         self.socket.close()
         if self._events is not None:
             self._events.close()
+            self._events.socket.close()
 
-    async def _read(self) -> None:
-        while True:
-            frame = await self.socket.recv()
-            self.last_seen = time.monotonic()
-            try:
-                msg = p.unpack(frame)
-            except p.ProtocolError as exc:
-                log.warning("worker %s sent a bad frame: %s", self.worker_id, exc)
-                continue
-            if msg["type"] == p.HEARTBEAT:
-                self._on_heartbeat(msg.get("load") or {})
-            elif msg["type"] == p.KV_SNAPSHOT:
-                self.router.apply_snapshot(self.worker_id, msg.get("tiers") or {}, int(msg["last_event_id"]))
-            else:
-                queue = self.streams.get(str(msg.get("request_id")))
-                if queue is not None:
-                    queue.put_nowait(msg)
+    def _on_frames(self, frames: list[bytes]) -> None:
+        self.last_seen = time.monotonic()
+        try:
+            msg = p.unpack(frames[-1])
+        except p.ProtocolError as exc:
+            log.warning("worker %s sent a bad frame: %s", self.worker_id, exc)
+            return
+        kind = msg["type"]
+        if kind == p.BATCH:
+            for item in msg.get("messages") or ():
+                self._to_stream(item)
+        elif kind == p.HEARTBEAT:
+            self._on_heartbeat(msg.get("load") or {})
+        elif kind == p.KV_SNAPSHOT:
+            self.router.apply_snapshot(self.worker_id, msg.get("tiers") or {}, int(msg["last_event_id"]))
+        else:
+            self._to_stream(msg)
+
+    def _to_stream(self, msg: Any) -> None:
+        inbox = self.streams.get(str(msg.get("request_id"))) if isinstance(msg, dict) else None
+        if inbox is not None:
+            inbox.put(msg)
 
     def _on_heartbeat(self, load: dict[str, float]) -> None:
         self.load.update(load)
         if "prefill_blocks" in load:
             self.router.report_load(self.worker_id, load["prefill_blocks"], load.get("decode_blocks", 0.0))
 
-    async def _read_events(self, subscription: zmq.asyncio.Socket) -> None:
-        while True:
-            try:
-                msg = p.unpack(await subscription.recv())
-                events = [event_from_wire(e) for e in msg.get("events") or []]
-            except ValueError as exc:  # ProtocolError included: skip it, the id gap will show
-                log.warning("worker %s sent bad KV events: %s", self.worker_id, exc)
-                continue
-            for event in events:
-                if self.router.apply_event(event) is ApplyStatus.GAP:
-                    self.send({"type": p.KV_SNAPSHOT})
-                    break
+    def _on_events(self, frames: list[bytes]) -> None:
+        try:
+            msg = p.unpack(frames[-1])
+            events = [event_from_wire(e) for e in msg.get("events") or []]
+        except ValueError as exc:  # ProtocolError included: skip it, the id gap will show
+            log.warning("worker %s sent bad KV events: %s", self.worker_id, exc)
+            return
+        for event in events:
+            if self.router.apply_event(event) is ApplyStatus.GAP:
+                self.send_quietly({"type": p.KV_SNAPSHOT})
+                break
 
 
 class WorkerPool:
@@ -129,7 +136,7 @@ class WorkerPool:
         self.prefill_router = prefill_router or Router(router.config)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.poll_s = poll_s
-        self.ctx = zmq.asyncio.Context.instance()
+        self.ctx = zmq.Context.instance()
         self.connections: dict[str, WorkerConnection] = {}
         self._task: asyncio.Task | None = None
 
@@ -184,16 +191,14 @@ class WorkerPool:
 
     async def _poll(self) -> None:
         while True:
-            await asyncio.sleep(self.poll_s)
+            # while no worker has joined (start-up), look often: the first request waits on it
+            await asyncio.sleep(self.poll_s if self.connections else min(self.poll_s, STARTUP_POLL_S))
             try:
                 self.refresh()
             except OSError as exc:
                 log.warning("discovery poll failed: %s", exc)
 
 
-async def next_message(queue: asyncio.Queue[dict[str, Any]], deadline: float) -> dict[str, Any] | None:
+async def next_message(inbox: StreamInbox, deadline: float) -> dict[str, Any] | None:
     """The stream's next frame, or None once `deadline` (time.monotonic) has passed."""
-    try:
-        return await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - time.monotonic()))
-    except TimeoutError:
-        return None
+    return await inbox.get(deadline)

@@ -5,8 +5,12 @@ A token stream ends with a frame whose `finish_reason` says why
 (stop, length, abort, error).
 
 frontend -> worker: hello, generate, abort, kv_snapshot
-worker -> frontend: tokens, error, heartbeat, kv_snapshot (the reply)
+worker -> frontend: tokens, error, heartbeat, kv_snapshot (the reply), batch
 worker -> routers (PUB socket): kv_events
+
+A `batch` carries `messages`: the request-scoped frames (tokens, error, pinned) a worker
+had for one frontend after one engine step, in order, so a step costs one ZeroMQ message
+per frontend instead of one per request.
 
 Disaggregated serving adds two fields: a `generate` with `prefill_only` is answered by one
 `tokens` frame with finish_reason "handoff" carrying `kv_handle` (where the prompt's KV can be
@@ -26,6 +30,7 @@ from tokenmill.engine.sampling import SamplingParams, TokenLogprob
 HELLO, GENERATE, ABORT = "hello", "generate", "abort"
 TOKENS, ERROR, HEARTBEAT = "tokens", "error", "heartbeat"
 KV_SNAPSHOT, KV_EVENTS = "kv_snapshot", "kv_events"
+BATCH = "batch"
 PIN, PINNED = "pin", "pinned"  # {request_id, prompt_token_ids} -> {request_id, ok, error}
 
 # error codes a worker may answer a generate with

@@ -8,6 +8,8 @@ import signal
 import sys
 from collections.abc import Callable
 
+from tokenmill.runtime import event_loop
+
 log = logging.getLogger(__name__)
 
 
@@ -66,19 +68,18 @@ def run(args: argparse.Namespace) -> int:
     server = WorkerServer(engine, settings, discovery, transfer)
     address = server.bind()
     log.info("worker %s serving %s on %s", args.worker_id, name, address)
-    asyncio.run(_serve(server))
+    event_loop.run(_serve(server))
     return 0
 
 
 def _transfer_service(args: argparse.Namespace, mock_transfer_seconds: Callable[[int], float] | None = None):
     """Prefill and decode workers move KV; an agg worker has no use for an agent.
     `mock_transfer_seconds`: a mock profile's link time for a pull of N tokens."""
-    from tokenmill.worker.kv_transfer import KVTransferService
-    from tokenmill.worker.transfer_faults import TransferFaults
-
     if args.role == "agg":
         return None
-    from tokenmill.transfer import ShmBackend, TcpBackend
+    from tokenmill.transfer import ShmBackend, TcpBackend  # torch: only workers that move KV load it
+    from tokenmill.worker.kv_transfer import KVTransferService
+    from tokenmill.worker.transfer_faults import TransferFaults
 
     names = [b.strip() for b in args.kv_transfer_backends.split(",") if b.strip()]
     unknown = set(names) - {"shm", "tcp"}

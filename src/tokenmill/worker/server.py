@@ -21,18 +21,20 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
-import zmq.asyncio
 
 from tokenmill.engine.async_engine import AsyncLLMEngine, KVImport
-from tokenmill.engine.kv_tiers_wiring import tier_load
 from tokenmill.engine.llm_engine import EngineStats
 from tokenmill.engine.request import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
 from tokenmill.runtime import protocol as p
 from tokenmill.runtime.discovery import Discovery, WorkerInfo
+from tokenmill.runtime.zmq_reader import SocketReader
 from tokenmill.worker.kv_publisher import KVEventPublisher
-from tokenmill.worker.kv_transfer import KVTransferService
+
+if TYPE_CHECKING:  # torch: only prefill/decode workers move KV
+    from tokenmill.worker.kv_transfer import KVTransferService
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +66,13 @@ class WorkerServer:
         self.transfer = transfer
         self.settings = settings
         self.discovery = discovery
-        self.ctx = zmq.asyncio.Context.instance()
+        self.ctx = zmq.Context.instance()
         self.socket = self.ctx.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.peers: set[bytes] = set()
+        self._reader: SocketReader | None = None
+        # request-scoped frames per peer, sent as one `batch` when the loop iteration ends
+        self._outbox: dict[bytes, list[dict]] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self.prefill_only: set[str] = set()  # ids in `tasks` that end with a KV handle
         self.requests_served = 0
@@ -94,13 +99,13 @@ class WorkerServer:
             self.publisher.start()
         self.discovery.register(self._info())
         heartbeat = asyncio.create_task(self._heartbeat_loop())
-        receiving = asyncio.create_task(self._receive_loop())
+        self._reader = SocketReader(self.socket, self._on_frames)
         try:
             await self._stopping.wait()
             self.discovery.unregister(self.settings.worker_id)
             await self._drain()
         finally:
-            receiving.cancel()
+            self._reader.close()
             heartbeat.cancel()
             self.discovery.unregister(self.settings.worker_id)
             for task in list(self.tasks.values()):
@@ -149,13 +154,11 @@ class WorkerServer:
                 "num_held": stats.num_held, "num_importing": stats.num_importing,
                 "num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks,
                 **(self.transfer.load() if self.transfer is not None else {}),
-                **tier_load(stats.tier_stats)}
+                **_tier_load(stats.tier_stats)}
 
-    async def _receive_loop(self) -> None:
-        while True:
-            frames = await self.socket.recv_multipart()
-            if len(frames) == 2:
-                self._dispatch(frames[0], frames[1])
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) == 2:
+            self._dispatch(frames[0], frames[1])
 
     def _dispatch(self, peer: bytes, frame: bytes) -> None:
         self.peers.add(peer)
@@ -190,7 +193,7 @@ class WorkerServer:
 
     async def _send_snapshot(self, peer: bytes) -> None:
         if self.publisher is not None:
-            self._send(peer, await self.publisher.snapshot())
+            self._send_now(peer, await self.publisher.snapshot())  # not request-scoped: never batched
 
     def _start_generate(self, peer: bytes, msg: dict) -> None:
         request_id = str(msg.get("request_id", ""))
@@ -263,10 +266,27 @@ class WorkerServer:
         self._send(peer, p.tokens_message(RequestOutput(request_id, [], "", True, FINISH_ABORT, prompt, done, cached)))
 
     def _send(self, peer: bytes, message: dict) -> None:
+        """Queue a request-scoped frame; every frame queued in one loop iteration (one engine
+        step's tokens) leaves in one message per peer, in order."""
+        queued = self._outbox.get(peer)
+        if queued is None:
+            if not self._outbox:
+                asyncio.get_running_loop().call_soon(self._flush)
+            queued = self._outbox[peer] = []
+        queued.append(message)
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for peer, messages in outbox.items():
+            self._send_now(peer, messages[0] if len(messages) == 1 else {"type": p.BATCH, "messages": messages})
+
+    def _send_now(self, peer: bytes, message: dict) -> None:
         try:
             self.socket.send_multipart([peer, p.pack(message)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or its queue full: the frontend times out and retries
             log.debug("could not send to %r: %s", peer, exc)
+        if self._reader is not None:
+            self._reader.poke()
 
     async def _heartbeat_loop(self) -> None:
         """Beat every HEARTBEAT_INTERVAL_S whatever the engine is doing: its stats are read
@@ -285,8 +305,16 @@ class WorkerServer:
             self.discovery.heartbeat(self.settings.worker_id, load)
             beat = {"type": p.HEARTBEAT, "worker_id": self.settings.worker_id, "load": load}
             for peer in list(self.peers):
-                self._send(peer, beat)
+                self._send_now(peer, beat)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+
+def _tier_load(tier_stats: dict) -> dict[str, float]:
+    if not tier_stats:  # no KV tiers: their module (and torch) stay unloaded
+        return {}
+    from tokenmill.engine.kv_tiers_wiring import tier_load
+
+    return tier_load(tier_stats)
 
 
 def _loop_deadline(deadline: float | None) -> float | None:

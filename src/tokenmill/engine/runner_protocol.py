@@ -1,0 +1,26 @@
+"""What the engine needs from a model runner, torch-free.
+
+`TorchModelRunner` (`engine/runner.py`) runs the real forward pass; `MockRunner` prices the
+step with a clock. The engine talks to either through `ModelRunner`, so a mock worker never
+imports torch.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tokenmill.engine.sampling import TokenLogprob
+
+if TYPE_CHECKING:
+    from tokenmill.engine.scheduler import SchedulerOutput
+    from tokenmill.kv.cache_manager import KVCacheManager
+
+Sampled = dict[str, tuple[int, TokenLogprob | None]]
+# (shape, torch dtype) -> zero-filled tensor: lets a worker put the KV pool in shared memory
+KVAllocator = Callable[[tuple[int, ...], Any], Any]
+
+
+class ModelRunner(Protocol):
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
+        """Compute the step; return a token for every request whose step reached its end."""
+        ...

@@ -1,0 +1,73 @@
+"""The batched sampler over a step's logits.
+
+Randomness is stateless per token: a request with a seed draws token k from a
+generator seeded by (seed, k), so the same seed gives the same tokens whatever
+the batch, and a preempted or migrated request continues the same stream.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tokenmill.engine.sampling import SampleRow, TokenLogprob
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator) -> tuple[
+        list[int], list[TokenLogprob | None]]:
+    """One token per row of fp32 `logits` [rows, vocab]."""
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows)
+        tokens[idx] = _sample_random(logits.index_select(0, idx), [rows[i] for i in random_rows], generator)
+    token_list = tokens.tolist()
+    return token_list, _logprobs(logits, rows, token_list)
+
+
+def _sample_random(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator) -> torch.Tensor:
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temps
+    top_ks = [r.params.top_k for r in rows]
+    top_ps = [r.params.top_p for r in rows]
+    if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        logits = _mask_top_k_top_p(logits, top_ks, top_ps)
+    probs = torch.softmax(logits, dim=-1)
+    noise = torch.stack([_exponential(logits.shape[1], r, generator) for r in rows])
+    # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race).
+    return (probs / noise).argmax(dim=-1)
+
+
+def _exponential(vocab: int, row: SampleRow, generator: torch.Generator) -> torch.Tensor:
+    gen = generator
+    if row.params.seed is not None:
+        gen = torch.Generator().manual_seed((row.params.seed * 1_000_003 + row.output_index) % (2**63))
+    return torch.empty(vocab).exponential_(generator=gen)
+
+
+def _mask_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    ks = torch.tensor([k if k > 0 else vocab for k in top_ks]).clamp(max=vocab)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= ks.unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
+    drop |= before >= torch.tensor(top_ps).unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _logprobs(logits: torch.Tensor, rows: Sequence[SampleRow], tokens: list[int]) -> list[TokenLogprob | None]:
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    if not wanted:
+        return out
+    logp = torch.log_softmax(logits.index_select(0, torch.tensor(wanted)), dim=-1)
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs or 0
+        top_v, top_i = logp[j].topk(n) if n else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        out[i] = TokenLogprob(tokens[i], float(logp[j, tokens[i]]),
+                              list(zip(top_i.tolist(), top_v.tolist())))
+    return out
