@@ -75,7 +75,7 @@ def run(policy: str, seed: int = 0) -> RunResult:
         hit = cache.find_cached_prefix(request_id, tokens)
         assert cache.allocate(request_id, len(tokens), hit)
         cache.cache_computed(request_id, tokens, len(tokens))  # prefill done: blocks announced
-        router.on_first_token(request_id)
+        router.on_progress(request_id, len(tokens), len(hit.blocks) * BLOCK_SIZE)  # as the frontend does
         realised += min(len(hit.blocks), PREFIX_BLOCKS)
         fresh_blocks[request_id] = len(cache.block_ids(request_id)) - len(hit.blocks)
         active.append((request_id, decision.worker))
@@ -85,8 +85,8 @@ def run(policy: str, seed: int = 0) -> RunResult:
             router.on_finished(done_id)
         for name, cache in caches.items():
             active_sums[name] += cache.pool.num_blocks - cache.pool.num_free_blocks
-            if step % 8 == 0:  # the workers' own figures (see tokenmill.router.load)
-                router.report_load(name, 0, sum(fresh_blocks[r] for r, w in active if w == name))
+            # the router's books match the workers' own figures (see tokenmill.router.load)
+            assert router.load.load(name).decode_blocks == sum(fresh_blocks[r] for r, w in active if w == name)
     steps = GROUPS * PROMPTS_PER_GROUP
     return RunResult(realised, {w: s / steps for w, s in active_sums.items()}, removed)
 

@@ -15,15 +15,15 @@ class FakeClock:
         return self.now
 
 
-def test_prefill_is_charged_until_first_token_and_decode_until_finish() -> None:
-    load = LoadTracker()
+def test_prefill_is_charged_until_first_token_and_decode_from_then_until_finish() -> None:
+    load = LoadTracker(block_size=16)
     load.add_worker("w")
     load.on_routed("r1", "w", prefill_blocks=6, decode_blocks=8)
     load.on_routed("r2", "w", prefill_blocks=2, decode_blocks=3)
-    assert load.load("w") == WorkerLoad(8, 11)
+    assert load.load("w") == WorkerLoad(8, 0)  # as the worker counts: prefilling requests are prefill only
     load.on_first_token("r1")
     load.on_first_token("r1")              # repeated: no double release
-    assert load.load("w") == WorkerLoad(2, 11)
+    assert load.load("w") == WorkerLoad(2, 8)
     load.on_finished("r2")                 # finished before its first token (an abort)
     assert load.load("w") == WorkerLoad(0, 8)
     load.on_finished("r1")
@@ -31,18 +31,30 @@ def test_prefill_is_charged_until_first_token_and_decode_until_finish() -> None:
     assert load.load("w") == WorkerLoad(0, 0) and load.num_requests() == 0
 
 
-def test_worker_reports_correct_drift() -> None:
+def test_the_decode_charge_follows_the_request_length_as_the_worker_counts_it() -> None:
+    load = LoadTracker(block_size=16)
+    load.add_worker("w")
+    load.on_routed("r", "w", prefill_blocks=4, decode_blocks=4)
+    load.on_progress("r", num_tokens=64 + 1, num_cached_tokens=32)   # first token: 5 blocks, 2 cached
+    assert load.load("w") == WorkerLoad(0, 3)
+    load.on_progress("r", num_tokens=64 + 17, num_cached_tokens=32)  # 17 tokens out: one block more
+    assert load.load("w") == WorkerLoad(0, 4)
+    load.on_finished("r")
+    assert load.load("w") == WorkerLoad(0, 0)
+
+
+def test_reports_add_other_frontends_load_and_never_hide_routed_load() -> None:
     load = LoadTracker()
     load.add_worker("w")
-    load.on_routed("lost", "w", 4, 10)     # its finish never arrives
-    load.correct("w", prefill_blocks=0, decode_blocks=3)
+    load.on_routed("burst", "w", 4, 10)    # routed after the worker measured: not in its report
+    load.set_external("w", prefill_blocks=0, decode_blocks=3)  # other frontends' requests there
+    assert load.load("w") == WorkerLoad(4, 3) and load.tracked("w") == WorkerLoad(4, 0)
+    load.on_finished("burst")
     assert load.load("w") == WorkerLoad(0, 3)
-    load.on_routed("r", "w", 2, 5)
-    assert load.load("w") == WorkerLoad(2, 8)
-    load.on_finished("r")
-    assert load.load("w") == WorkerLoad(0, 3)
-    load.on_finished("lost")               # the offset would go negative: clamped at zero
+    load.set_external("w", 0, 0)
     assert load.load("w") == WorkerLoad(0, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        load.set_external("w", -1, 0)
 
 
 def test_removing_a_worker_drops_its_requests() -> None:

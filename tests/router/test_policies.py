@@ -10,6 +10,7 @@ from tokenmill.kv.events import BlockStored
 from tokenmill.router.cost import CostConfig
 from tokenmill.router.decision import RoutingRequest
 from tokenmill.router.indexer import ApplyStatus
+from tokenmill.router.load import WorkerLoad
 from tokenmill.router.policies import NoWorkerAvailable, Router, RouterConfig
 
 
@@ -40,7 +41,9 @@ def test_kv_routes_to_the_worker_holding_the_prefix_and_explains_why() -> None:
     assert decision.prefill_charge == 2 and decision.decode_charge == 2
     assert {t.worker: t.cost for t in decision.terms} == {"a": 10, "b": 4, "c": 10}
     assert "lowest cost 4" in decision.reason and decision.explain().count("\n") == 3
-    assert router.load.load("b").active_blocks == 4
+    assert router.load.load("b") == WorkerLoad(2, 0)   # prefill until the first token ...
+    router.on_first_token("r1")
+    assert router.load.load("b") == WorkerLoad(0, 2)   # ... then the blocks it holds
 
 
 def test_kv_balances_load_when_no_worker_holds_the_prompt() -> None:

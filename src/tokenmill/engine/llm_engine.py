@@ -49,6 +49,7 @@ class EngineStats:
     num_held: int = 0  # prefill-only requests holding KV for a decode worker
     num_importing: int = 0  # requests waiting for their prompt KV to arrive
     tier_stats: dict[str, Any] = field(default_factory=dict)  # TieredKVManager.stats(); {} without tiers
+    request_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (prefill, decode) blocks
 
 
 class LLMEngine:
@@ -282,21 +283,21 @@ class LLMEngine:
                     done[out.request_id].extend(out.new_token_ids)
         return [done[rid] for rid in ids]
 
-    def _active_blocks(self) -> tuple[int, int]:
-        """What the router charges: blocks each request holds beyond its prefix-cache hits."""
-        bs, prefill, decode = self.config.block_size, 0, 0
+    def _active_blocks(self) -> dict[str, tuple[int, int]]:
+        """What the router charges, per request: (prefill, decode) blocks it holds beyond its
+        prefix-cache hits — prefill before its first token, decode after."""
+        bs, blocks = self.config.block_size, {}
         for request in (*self.scheduler.running, *self.scheduler.waiting):
-            blocks = -(-request.num_tokens // bs) - request.num_cached_tokens // bs
-            if request.output_token_ids:
-                decode += blocks
-            else:
-                prefill += blocks
-        return prefill, decode
+            held = -(-request.num_tokens // bs) - request.num_cached_tokens // bs
+            blocks[request.request_id] = (0, held) if request.output_token_ids else (held, 0)
+        return blocks
 
     def stats(self) -> EngineStats:
         """A consistent view only on the engine's own thread (AsyncLLMEngine.stats)."""
         c, s = self._counters, self._seconds
-        prefill_blocks, decode_blocks = self._active_blocks()
+        request_blocks = self._active_blocks()
+        prefill_blocks = sum(p for p, _ in request_blocks.values())
+        decode_blocks = sum(d for _, d in request_blocks.values())
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_usage=self.pool.usage(), num_free_blocks=self.pool.num_free_blocks,
@@ -304,7 +305,7 @@ class LLMEngine:
             num_steps=c["steps"], prefill_tokens=c["prefill"], decode_tokens=c["decode"],
             prefill_step_seconds=s["prefill"], decode_step_seconds=s["decode"],
             num_decode_only_steps=c["decode_steps"], num_preemptions=c["preemptions"],
-            prefill_blocks=prefill_blocks, decode_blocks=decode_blocks,
+            prefill_blocks=prefill_blocks, decode_blocks=decode_blocks, request_blocks=request_blocks,
             onboarded_tokens=self.kv.stats.onboarded_tokens,
             num_held=len(self.handoff.held), num_importing=len(self.handoff.importing),
             tier_stats=self.tiers.stats() if self.tiers is not None else {},

@@ -23,8 +23,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq
-
 from tokenmill.engine.request import FINISH_ABORT, FINISH_ERROR, RequestOutput
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import Tokenizer
@@ -166,12 +164,7 @@ class DistributedBackend:
         queue = conn.open_stream(request_id)
         worker_done = False  # the worker has ended this attempt itself; no abort needed
         try:
-            try:
-                conn.send(self._generate_message(request_id, progress, deadline))
-            except zmq.ZMQError:  # its queue is full or the socket is gone: try another worker
-                worker_done = True
-                self._note_migration(conn, progress, excluded)
-                return
+            conn.send(self._generate_message(request_id, progress, deadline))  # a failed send: LOST below
             while not progress.finished:
                 msg = await next_message(queue, deadline)
                 if msg is None:  # deadline passed
@@ -185,15 +178,18 @@ class DistributedBackend:
                     self._raise_for_error(msg, conn, progress, excluded)
                     return
                 else:
-                    if not progress.generated:
-                        self.pool.router.on_first_token(request_id)
-                    out = self._account(_merge_ready(p.output_from_wire(msg), queue), progress)
+                    out = _merge_ready(p.output_from_wire(msg), queue)
+                    cached_here = out.num_cached_tokens  # this attempt's hit, before _account restates it
+                    out = self._account(out, progress)
+                    # the router's decode charge follows what the worker now holds (router/load.py)
+                    self.pool.router.on_progress(request_id, len(progress.prompt) + len(progress.generated),
+                                                 cached_here)
                     worker_done = progress.finished = out.finished
                     yield out
         finally:
             conn.close_stream(request_id)
             if not worker_done and conn.worker_id in self.pool.connections:
-                conn.send_quietly({"type": p.ABORT, "request_id": request_id})
+                conn.send({"type": p.ABORT, "request_id": request_id})
 
     def _generate_message(self, request_id: str, progress: _Progress, deadline: float) -> dict:
         remaining = dataclasses.replace(progress.params,

@@ -18,8 +18,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import zmq
-
 from tokenmill.engine.request import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
 from tokenmill.router.disagg import DisaggPolicy
 from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool, next_message
@@ -73,7 +71,7 @@ class RemotePrefill:
         worker = self._holders.pop(request_id, None)
         conn = self.pool.connections.get(worker) if worker else None
         if conn is not None:
-            conn.send_quietly({"type": p.ABORT, "request_id": request_id})
+            conn.send({"type": p.ABORT, "request_id": request_id})
 
     def _pick(self, request_id: str, progress: _Progress, tried: set[str]) -> WorkerConnection | None:
         candidates = [w for w in self.pool.in_pool(prefill=True) if w not in tried]
@@ -102,15 +100,12 @@ class RemotePrefill:
                 progress.finished = True
                 return RequestOutput(request_id, [], "", True, FINISH_ABORT, len(progress.prompt), 0, 0)
             return self._result(worker, request_id, msg, progress)
-        except zmq.ZMQError:
-            answered = True
-            return _RETRY
         finally:
             self.in_flight[worker] -= 1
             self.pool.prefill_router.on_finished(request_id)
             conn.close_stream(request_id)
             if not answered and worker in self.pool.connections:
-                conn.send_quietly({"type": p.ABORT, "request_id": request_id})
+                conn.send({"type": p.ABORT, "request_id": request_id})
 
     def _result(self, worker: str, request_id: str, msg: dict[str, Any], progress: _Progress) -> RequestOutput | str:
         if msg is LOST or msg["type"] == p.ERROR and msg.get("code") in (p.INTERNAL, p.OVERLOADED):

@@ -42,6 +42,7 @@ class WorkerConnection:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(info.address)
         self.streams: dict[str, StreamInbox] = {}
+        self._outbox: list[dict[str, Any]] = []
         self.last_seen = time.monotonic()
         self.load: dict[str, float] = dict(info.metadata)
         self._reader = SocketReader(self.socket, self._on_frames)
@@ -59,16 +60,27 @@ class WorkerConnection:
         return self.info.worker_id
 
     def send(self, message: dict[str, Any]) -> None:
-        """Raises zmq.ZMQError when the worker's queue is full or the socket is gone."""
-        self.socket.send(p.pack(message), flags=zmq.NOBLOCK)
-        self._reader.poke()
+        """Queue a frame for the worker; what is queued in one loop iteration leaves as one
+        message (`batch`). If it cannot leave (the worker's queue is full, the socket is gone),
+        every generate in it gets `LOST` on its stream, so the request tries another worker;
+        anything else lost (an abort, a release) the worker times out itself."""
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(message)
 
-    def send_quietly(self, message: dict[str, Any]) -> None:
-        """`send` for what may be lost (an abort, a release): the worker times it out itself."""
+    def _flush(self) -> None:
+        messages, self._outbox = self._outbox, []
+        frame = messages[0] if len(messages) == 1 else {"type": p.BATCH, "messages": messages}
         try:
-            self.send(message)
+            self.socket.send(p.pack(frame), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.debug("could not send to %s: %s", self.worker_id, exc)
+            log.warning("could not send %d frames to %s: %s", len(messages), self.worker_id, exc)
+            for message in messages:
+                inbox = self.streams.get(str(message.get("request_id"))) if message["type"] == p.GENERATE else None
+                if inbox is not None:
+                    inbox.put(LOST)
+            return
+        self._reader.poke()
 
     def open_stream(self, request_id: str) -> StreamInbox:
         inbox = self.streams[request_id] = StreamInbox()
@@ -112,8 +124,9 @@ class WorkerConnection:
 
     def _on_heartbeat(self, load: dict[str, float]) -> None:
         self.load.update(load)
-        if "prefill_blocks" in load:
-            self.router.report_load(self.worker_id, load["prefill_blocks"], load.get("decode_blocks", 0.0))
+        if "others_prefill_blocks" in load:  # what this frontend did not route there
+            self.router.report_load(self.worker_id, load["others_prefill_blocks"],
+                                    load.get("others_decode_blocks", 0.0))
 
     def _on_events(self, frames: list[bytes]) -> None:
         try:
@@ -124,7 +137,7 @@ class WorkerConnection:
             return
         for event in events:
             if self.router.apply_event(event) is ApplyStatus.GAP:
-                self.send_quietly({"type": p.KV_SNAPSHOT})
+                self.send({"type": p.KV_SNAPSHOT})
                 break
 
 

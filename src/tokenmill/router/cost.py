@@ -15,7 +15,8 @@ whose `match` overlap is `overlap_tier` leading blocks per tier:
     decode         = active_decode + request_decode
     cost           = prefill_weight · prefill + decode
 
-The lowest cost wins; ties are broken at random. With temperature T > 0 the worker is
+The lowest cost wins; ties go to the least loaded (active prefill + decode blocks), then
+at random. With temperature T > 0 the worker is
 sampled with probability ∝ exp(−c̃/T), c̃ = (cost − min) / (max − min) (all 0 when equal).
 
 Worked example (issue 5): a 10-block prompt, prefill_weight 1, device-only overlaps 2, 5
@@ -82,14 +83,23 @@ def choose(terms: Sequence[WorkerTerms], temperature: float,
         return _sample(terms, costs, temperature, rng)
     best = min(costs)
     tied = [i for i, c in enumerate(costs) if c - best <= TIE_TOLERANCE]
+    if len(tied) > 1:  # equal cost: the least busy worker first, then chance
+        lightest = min(_busy(terms[i]) for i in tied)
+        tied = [i for i in tied if _busy(terms[i]) - lightest <= TIE_TOLERANCE]
     index = tied[0] if len(tied) == 1 else rng.choice(tied)
     chosen = terms[index]
     if len(tied) > 1:
-        reason = f"tie at cost {best:g} among {len(tied)} workers, broken at random"
+        reason = f"tie at cost {best:g} among {len(tied)} equally loaded workers, broken at random"
+    elif len([c for c in costs if c - best <= TIE_TOLERANCE]) > 1:
+        reason = f"tie at cost {best:g}, broken towards the least loaded ({_busy(chosen):g} active blocks)"
     else:
         runner_up = min((c for i, c in enumerate(costs) if i != index), default=None)
         reason = f"lowest cost {best:g}" + ("" if runner_up is None else f" (next best {runner_up:g})")
     return index, f"{reason}; {chosen.describe()}", None
+
+
+def _busy(terms: WorkerTerms) -> float:
+    return terms.active_prefill + terms.active_decode
 
 
 def _sample(terms: Sequence[WorkerTerms], costs: list[float], temperature: float,

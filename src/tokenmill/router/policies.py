@@ -5,9 +5,10 @@
     decision = router.select(RoutingRequest(request_id, block_hashes(prompt), len(prompt)))
     ...send to decision.worker...
     router.on_first_token(request_id); router.on_finished(request_id)   # finished also on abort/error
+    router.on_progress(request_id, num_tokens, num_cached_tokens)       # each delta: the decode charge
     router.apply_event(event)            # every KV event from the subscription; on ApplyStatus.GAP
                                          # ask event.worker for a snapshot, then router.apply_snapshot(...)
-    router.report_load(worker, prefill_blocks, decode_blocks)          # workers' own periodic figures
+    router.report_load(worker, prefill_blocks, decode_blocks)          # other frontends' load there
     router.remove_worker("w1")           # lease lost: index, load and approx entries dropped
 
 `select` charges the chosen worker's load (and, in kv-approx mode, records the prompt's
@@ -71,7 +72,7 @@ class Router:
         self.policy = self.config.policy
         self.rng = rng or random.Random()
         self.timer = timer
-        self.load = LoadTracker()
+        self.load = LoadTracker(self.config.block_size)
         self.indexer = KVIndexer(self.config.cost.tier_preference()) if self.policy == "kv" else None
         self.approx = (ApproxIndexer(self.config.approx_ttl_s, self.config.approx_max_blocks, clock)
                        if self.policy == "kv-approx" else None)
@@ -123,11 +124,15 @@ class Router:
     def on_first_token(self, request_id: str) -> None:
         self.load.on_first_token(request_id)
 
+    def on_progress(self, request_id: str, num_tokens: int, num_cached_tokens: int) -> None:
+        self.load.on_progress(request_id, num_tokens, num_cached_tokens)
+
     def on_finished(self, request_id: str) -> None:
         self.load.on_finished(request_id)
 
     def report_load(self, worker: str, prefill_blocks: float, decode_blocks: float) -> None:
-        self.load.correct(worker, prefill_blocks, decode_blocks)
+        """What the worker holds for requests this router did not route (see `router.load`)."""
+        self.load.set_external(worker, prefill_blocks, decode_blocks)
 
     # ---- KV events ----------------------------------------------------------------------
 
@@ -146,9 +151,14 @@ class Router:
         index = self.indexer
         index_blocks = (index.num_blocks() if index is not None
                         else self.approx.num_blocks() if self.approx is not None else 0)
-        return self.stats.metrics_snapshot(
+        snap = self.stats.metrics_snapshot(
             index_blocks, index.events_applied if index else 0, index.gaps_detected if index else 0,
             index.gaps_recovered if index else 0, self.workers)
+        for worker in self.workers:
+            load = self.load.load(worker)
+            snap[f'tokenmill_router_worker_load_blocks{{worker="{worker}",kind="prefill"}}'] = load.prefill_blocks
+            snap[f'tokenmill_router_worker_load_blocks{{worker="{worker}",kind="decode"}}'] = load.decode_blocks
+        return snap
 
     # ---- internals ----------------------------------------------------------------------
 

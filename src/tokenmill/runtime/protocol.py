@@ -8,9 +8,10 @@ frontend -> worker: hello, generate, abort, kv_snapshot
 worker -> frontend: tokens, error, heartbeat, kv_snapshot (the reply), batch
 worker -> routers (PUB socket): kv_events
 
-A `batch` carries `messages`: the request-scoped frames (tokens, error, pinned) a worker
-had for one frontend after one engine step, in order, so a step costs one ZeroMQ message
-per frontend instead of one per request.
+A `batch` carries `messages`, in order: what one side queued for the other in one event-loop
+iteration — a worker's request-scoped frames (tokens, error, pinned) after an engine step, a
+frontend's generates and aborts — so a busy step costs one ZeroMQ message per peer instead of
+one per request.
 
 Disaggregated serving adds two fields: a `generate` with `prefill_only` is answered by one
 `tokens` frame with finish_reason "handoff" carrying `kv_handle` (where the prompt's KV can be

@@ -74,6 +74,7 @@ class WorkerServer:
         # request-scoped frames per peer, sent as one `batch` when the loop iteration ends
         self._outbox: dict[bytes, list[dict]] = {}
         self.tasks: dict[str, asyncio.Task] = {}
+        self.peer_of: dict[str, bytes] = {}  # request id -> the frontend that sent it
         self.prefill_only: set[str] = set()  # ids in `tasks` that end with a KV handle
         self.requests_served = 0
         self.draining = False
@@ -167,6 +168,16 @@ class WorkerServer:
         except p.ProtocolError as exc:
             log.warning("dropping frame from %r: %s", peer, exc)
             return
+        if msg["type"] != p.BATCH:
+            self._handle(peer, msg)
+            return
+        for item in msg.get("messages") or ():
+            if isinstance(item, dict) and isinstance(item.get("type"), str):
+                self._handle(peer, item)
+            else:
+                log.warning("dropping a malformed message in a batch from %r", peer)
+
+    def _handle(self, peer: bytes, msg: dict) -> None:
         kind = msg["type"]
         if kind == p.GENERATE:
             self._start_generate(peer, msg)
@@ -213,6 +224,7 @@ class WorkerServer:
             self._send(peer, p.error_message(request_id, p.OVERLOADED, "worker queue is full"))
             return
         task = self.tasks[request_id] = asyncio.create_task(self._generate(peer, request_id, msg))
+        self.peer_of[request_id] = peer
         # not a `finally` in _generate: a task cancelled before it first runs never enters it
         task.add_done_callback(lambda _: self._forget_task(request_id, task))
         if msg.get("prefill_only"):
@@ -249,6 +261,7 @@ class WorkerServer:
     def _forget_task(self, request_id: str, task: asyncio.Task) -> None:
         if self.tasks.get(request_id) is task:
             del self.tasks[request_id]
+            self.peer_of.pop(request_id, None)
             self.prefill_only.discard(request_id)
 
     def _kv_import(self, handle: object) -> KVImport | None:
@@ -292,7 +305,8 @@ class WorkerServer:
         """Beat every HEARTBEAT_INTERVAL_S whatever the engine is doing: its stats are read
         between steps, so during a long prefill step the beat carries the last known load
         (waiting for fresh stats would make a busy worker look dead)."""
-        load = self._load(self.engine.engine.stats())  # the engine thread is idle before serving
+        last = self.engine.engine.stats()  # the engine thread is idle before serving
+        load = self._load(last)
         stats: asyncio.Future[EngineStats] | None = None
         while True:
             if self.settings.parent_pid is not None and os.getppid() != self.settings.parent_pid:
@@ -301,12 +315,24 @@ class WorkerServer:
             stats = stats if stats is not None and not stats.done() else asyncio.ensure_future(self.engine.stats())
             done, _ = await asyncio.wait({stats}, timeout=STATS_WAIT_S)
             if done and stats.exception() is None:
-                load = self._load(stats.result())
+                last = stats.result()
+                load = self._load(last)
             self.discovery.heartbeat(self.settings.worker_id, load)
-            beat = {"type": p.HEARTBEAT, "worker_id": self.settings.worker_id, "load": load}
             for peer in list(self.peers):
+                beat = {"type": p.HEARTBEAT, "worker_id": self.settings.worker_id,
+                        "load": {**load, **self._others_load(last, peer)}}
                 self._send_now(peer, beat)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def _others_load(self, stats: EngineStats, peer: bytes) -> dict[str, float]:
+        """The blocks held for requests other frontends sent: each frontend's router keeps its own
+        requests' books and adds only these (router/load.py)."""
+        prefill = decode = 0
+        for request_id, (p_blocks, d_blocks) in stats.request_blocks.items():
+            if self.peer_of.get(request_id) != peer:
+                prefill += p_blocks
+                decode += d_blocks
+        return {"others_prefill_blocks": prefill, "others_decode_blocks": decode}
 
 
 def _tier_load(tier_stats: dict) -> dict[str, float]:
