@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -29,6 +30,19 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-queue-limit", type=int, default=8,
                         help="with prefill workers: prefill locally while every prefill worker has "
                              "this many prefills in flight")
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="bind with SO_REUSEPORT, so several frontends share --port (the kernel "
+                             "spreads connections over them)")
+
+
+def frontend_argv(args: argparse.Namespace) -> list[str]:
+    """The frontend flags again, resolved, for one more API server of the same deployment
+    (`tokenmill serve --api-servers N`): it shares the port, so it always reuses it."""
+    return ["--host", args.host, "--port", str(args.port), "--served-model-name", model_name(args),
+            "--usd-per-worker-hour", str(args.usd_per_worker_hour), "--request-timeout-s", str(args.request_timeout_s),
+            "--router", router_policy(args), "--router-temperature", str(args.router_temperature),
+            "--disagg-threshold", str(args.disagg_threshold), "--prefill-queue-limit", str(args.prefill_queue_limit),
+            "--reuse-port"]
 
 
 def router_policy(args: argparse.Namespace) -> str:
@@ -79,13 +93,27 @@ async def run_http(args: argparse.Namespace, backend) -> None:
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            http="httptools", access_log=False,
                                            timeout_graceful_shutdown=5))
+    sockets = [shared_port_socket(args.host, args.port)] if args.reuse_port else None
     log.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
     if threading.current_thread() is threading.main_thread():
         # uvicorn shuts down on SIGTERM, then raises it again with the handler found before it
         # started: the default one would end the process before the callers' cleanup (stopping
         # the workers) runs; an exception unwinds through it instead.
         signal.signal(signal.SIGTERM, _exit_after_cleanup)
-    await server.serve()
+    await server.serve(sockets=sockets)
+
+
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port) that other processes may bind too (SO_REUSEPORT):
+    the kernel then hands each new connection to one of them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
 
 
 def _exit_after_cleanup(signum: int, frame: object) -> None:

@@ -11,8 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tokenmill.frontend.launch import (add_frontend_flags, disagg_config, make_backend, model_name, router_policy,
-                                      run_http)
+from tokenmill.frontend.launch import (add_frontend_flags, disagg_config, frontend_argv, make_backend, model_name,
+                                      router_policy, run_http)
 from tokenmill.runtime import event_loop
 from tokenmill.transfer.memory import remove_shared_files_of
 
@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-faults", default=None,
                         help="disaggregated drills: inject KV-pull faults on decode workers (corrupt,drop,delay=S)")
     add_frontend_flags(parser)
+    parser.add_argument("--api-servers", type=int, default=1,
+                        help="HTTP frontend processes sharing --port (SO_REUSEPORT), each with its own router "
+                             "fed by the same KV events; more than one helps only with cores to spare")
     parser.add_argument("--max-queue", type=int, default=None,
                         help="requests a worker may hold waiting beyond a full batch before 429")
     parser.add_argument("--run-dir", default=None,
@@ -68,6 +71,8 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
     registry = run_dir / "registry"
     discovery = FileDiscovery(registry)
     specs = [ChildSpec(name, _worker_argv(args, name, role, run_dir, engine_args)) for name, role in _workers(args)]
+    specs += [ChildSpec(f"api-server-{i}", _api_server_argv(args, run_dir)) for i in range(1, args.api_servers)]
+    args.reuse_port = args.reuse_port or args.api_servers > 1
     # the workers start first, all at once: they boot while this process loads the frontend
     supervisor = Supervisor(specs, on_exit=lambda name: _worker_died(backend, discovery, name, supervisor.pid(name)))
     supervisor.start()
@@ -84,6 +89,10 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
 
 
 def _check_topology(args: argparse.Namespace) -> None:
+    if args.api_servers < 1:
+        raise ValueError("--api-servers must be at least 1")
+    if args.api_servers > 1 and args.port == 0:
+        raise ValueError("--api-servers > 1 needs a fixed --port: the servers share it")
     if args.prefill or args.decode:
         if args.prefill < 1 or args.decode < 1:
             raise ValueError("--prefill and --decode go together, each at least 1")
@@ -117,7 +126,19 @@ def _worker_argv(args: argparse.Namespace, name: str, role: str, run_dir: Path, 
     return argv
 
 
+def _api_server_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """One more HTTP frontend: its own worker pool and router, on the shared port."""
+    argv = [sys.executable, "-m", "tokenmill.cli", "--log-level", args.log_level, "frontend", "--model", args.model,
+            "--discovery", f"file:{run_dir / 'registry'}", "--block-size", str(args.block_size),
+            "--parent-pid", str(os.getpid()), *frontend_argv(args)]
+    if args.max_model_len is not None:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    return argv
+
+
 def _worker_died(backend, discovery, name: str, pid: int) -> None:
+    if name.startswith("api-server-"):
+        return  # not a worker: the supervisor restarts it, the kernel routes around it meanwhile
     discovery.unregister(name)
     backend.pool.drop(name, "process exited")
     remove_shared_files_of(pid)  # its KV pool, if it was killed before it could unlink it

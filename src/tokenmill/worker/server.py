@@ -151,6 +151,7 @@ class WorkerServer:
                 "kv_usage": stats.kv_usage, "prefix_hit_rate": stats.prefix_hit_rate,
                 "prefill_blocks": stats.prefill_blocks, "decode_blocks": stats.decode_blocks,
                 "in_flight": len(self.tasks), "requests_served": self.requests_served,
+                "frontends": len(self.peers),
                 "prefill_tokens": stats.prefill_tokens, "onboarded_tokens": stats.onboarded_tokens,
                 "num_held": stats.num_held, "num_importing": stats.num_importing,
                 "num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks,
