@@ -32,6 +32,10 @@ def pair(tmp_path: Path) -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
     router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
     for sock in (router, dealer):
         sock.setsockopt(zmq.LINGER, 0)
+        # No high-water mark: a burst of 1,000 non-blocking sends must not hit Again while
+        # zmq's I/O thread is still moving the first ones.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
     dealer.setsockopt(zmq.IDENTITY, b"dealer")
     address = f"ipc://{tmp_path}/s"
     router.bind(address)
@@ -123,54 +127,63 @@ def test_a_failing_callback_does_not_stop_the_others(run: Runner, pair: tuple[zm
     assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [RuntimeError]
 
 
+class _Player:
+    """One end of a rally: returns every ball with n + 1 until `rounds`. As the worker and the
+    frontend do, it replies from a later loop callback (`_flush`), not from inside the reader's
+    callback, so the send (which processes zmq's pending commands and so consumes the edge an
+    arrival raised) happens where no drain follows it, unless the sender pokes."""
+
+    def __init__(self, socket: zmq.Socket, peer: bytes | None, rounds: int) -> None:
+        self.socket, self.peer, self.rounds = socket, peer, rounds
+        self.seen: list[tuple[bytes, int]] = []
+        self._outbox: list[bytes] = []
+        self.reader = SocketReader(socket, self._on_message)
+
+    def serve(self, ball: bytes) -> None:
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(ball)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        ball = frames[-1]
+        rally, n = ball[:1], int(ball[1:])
+        self.seen.append((rally, n))
+        if n < self.rounds:
+            self.serve(rally + str(n + 1).encode())
+
+    def _flush(self) -> None:
+        balls, self._outbox = self._outbox, []
+        for ball in balls:
+            frames = [ball] if self.peer is None else [self.peer, ball]
+            self.socket.send_multipart(frames, flags=zmq.NOBLOCK)
+        self.reader.poke()
+
+
 def test_ping_pong_both_ways_while_both_send_does_not_stall(run: Runner,
                                                             pair: tuple[zmq.Socket, zmq.Socket]) -> None:
-    """Two rallies at once: the dealer's (d, n) and the router's (r, n); each side returns every
-    ball with n + 1 from inside its callback, so each side's sends consume the edges its own
-    incoming messages would have raised. Only `poke()` after each send keeps them moving."""
-    router, dealer = pair
+    """Two rallies at once, one served by each side, so each side both replies and receives
+    replies; each send may consume the edge of a message that has just arrived."""
+    router_socket, dealer_socket = pair
     rounds = 200
 
-    async def main() -> dict[str, list[tuple[bytes, int]]]:
-        seen: dict[str, list[tuple[bytes, int]]] = {"router": [], "dealer": []}
-        readers: dict[str, SocketReader] = {}
-
-        def on_router(frames: list[bytes]) -> None:
-            peer, ball = frames
-            rally, n = ball[:1], int(ball[1:])
-            seen["router"].append((rally, n))
-            if n < rounds:
-                router.send_multipart([peer, rally + str(n + 1).encode()], flags=zmq.NOBLOCK)
-                readers["router"].poke()
-
-        def on_dealer(frames: list[bytes]) -> None:
-            (ball,) = frames
-            rally, n = ball[:1], int(ball[1:])
-            seen["dealer"].append((rally, n))
-            if n < rounds:
-                dealer.send(rally + str(n + 1).encode(), flags=zmq.NOBLOCK)
-                readers["dealer"].poke()
-
-        readers["router"] = SocketReader(router, on_router)
-        readers["dealer"] = SocketReader(dealer, on_dealer)
+    async def main() -> tuple[_Player, _Player]:
+        router, dealer = _Player(router_socket, b"dealer", rounds), _Player(dealer_socket, None, rounds)
         try:
-            dealer.send(b"d0", flags=zmq.NOBLOCK)
-            readers["dealer"].poke()
-            router.send_multipart([b"dealer", b"r0"], flags=zmq.NOBLOCK)
-            readers["router"].poke()
-            await _until(lambda: (b"d", rounds) in seen["router"] and (b"r", rounds) in seen["dealer"])
+            dealer.serve(b"d0")
+            router.serve(b"r0")
+            await _until(lambda: (b"d", rounds) in router.seen and (b"r", rounds) in dealer.seen)
             await asyncio.sleep(0.01)  # nothing extra trails behind
         finally:
-            for reader in readers.values():
-                reader.close()
-        return seen
+            router.reader.close()
+            dealer.reader.close()
+        return router, dealer
 
-    seen = run(main())
-    # Each side saw every other ball of both rallies, in order: the router the even balls of the
-    # rally the dealer served and the odd ones of its own, the dealer the other half.
-    for side, served, other in (("router", b"d", b"r"), ("dealer", b"r", b"d")):
-        assert [n for rally, n in seen[side] if rally == served] == list(range(0, rounds + 1, 2)), side
-        assert [n for rally, n in seen[side] if rally == other] == list(range(1, rounds, 2)), side
+    router, dealer = run(main())
+    # Each side saw every other ball of both rallies, in order: the even balls of the rally its
+    # peer served and the odd balls of its own.
+    for player, peer_rally, own_rally in ((router, b"d", b"r"), (dealer, b"r", b"d")):
+        assert [n for rally, n in player.seen if rally == peer_rally] == list(range(0, rounds + 1, 2))
+        assert [n for rally, n in player.seen if rally == own_rally] == list(range(1, rounds, 2))
 
 
 def test_close_stops_delivery(run: Runner, pair: tuple[zmq.Socket, zmq.Socket]) -> None:
@@ -193,3 +206,19 @@ def test_close_stops_delivery(run: Runner, pair: tuple[zmq.Socket, zmq.Socket]) 
         return got, left
 
     assert run(main()) == ([b"before"], 5)
+
+
+def test_close_also_stops_a_drain_already_scheduled(run: Runner, pair: tuple[zmq.Socket, zmq.Socket]) -> None:
+    router, dealer = pair
+    dealer.send(b"queued")
+    assert router.poll(int(_STALL_GUARD_S * 1000), zmq.POLLIN)
+
+    async def main() -> list[list[bytes]]:
+        got: list[list[bytes]] = []
+        reader = SocketReader(router, got.append)  # schedules its first drain
+        reader.close()
+        reader.poke()  # a sender that still holds the reader (the worker's _send_now does)
+        await asyncio.sleep(0.05)
+        return got
+
+    assert run(main()) == []

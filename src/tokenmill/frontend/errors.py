@@ -116,8 +116,10 @@ def error_response(request: Request, exc: Exception,
         return error_json(exc)
     if isinstance(exc, RequestValidationError):
         return error_json(from_validation_errors(exc.errors()))
-    if isinstance(exc, StarletteHTTPException):
-        return error_json(_http_error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+    if isinstance(exc, StarletteHTTPException):  # its headers too: a 405's Allow
+        error = _http_error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        error.headers = dict(exc.headers or {})
+        return error_json(error)
     if isinstance(exc, Overloaded):
         return error_json(overloaded_error(exc))
     if isinstance(exc, BackendUnavailable):

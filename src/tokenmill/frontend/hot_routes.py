@@ -40,7 +40,7 @@ class HotRoutes:
         request = Request(scope, receive, send)
         try:
             if scope["method"] != "POST":
-                raise HTTPException(405, "Method Not Allowed")
+                raise HTTPException(405, "Method Not Allowed", headers={"Allow": "POST"})
             response = await handler(request)
         except Exception as exc:  # every failure becomes an OpenAI error response
             response = error_response(request, exc, self.count_error)

@@ -29,22 +29,25 @@ class SocketReader:
         self.loop = loop or asyncio.get_running_loop()
         self._fd = socket.getsockopt(zmq.FD)
         self._poked = False
+        self._closed = False
         self.loop.add_reader(self._fd, self._drain)
         self.poke()  # messages queued before we watched the descriptor raise no new edge
 
     def poke(self) -> None:
         """Drain once more on the next loop iteration (after a send on this socket)."""
-        if not self._poked:
+        if not self._poked and not self._closed:
             self._poked = True
             self.loop.call_soon(self._drain)
 
     def close(self) -> None:
+        """Deliver nothing more, also from a drain already scheduled."""
+        self._closed = True
         self.loop.remove_reader(self._fd)
 
     def _drain(self) -> None:
         self._poked = False
         socket = self.socket
-        if socket.closed:
+        if self._closed or socket.closed:
             return
         while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
@@ -55,3 +58,5 @@ class SocketReader:
                 self.on_message(frames)
             except Exception:  # one bad message must not stop the reading
                 log.exception("handling a message failed")
+            if self._closed:  # the handler closed us
+                return
