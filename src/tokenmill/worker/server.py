@@ -4,7 +4,10 @@ Frontends connect DEALER sockets and send `hello`, `generate` and `abort` frames
 the worker streams `tokens` frames back and sends every known peer a `heartbeat`
 (with its load) twice a second, so a frontend notices a dead worker quickly even
 without a shared registry. A generate beyond the queue limit is answered with an
-`overloaded` error, a bad one with `invalid_request`.
+`overloaded` error, a bad one with `invalid_request`. The request-scoped frames one loop
+iteration produces for a peer (an engine step's tokens) leave as one `batch`; each peer's
+heartbeat also says what the worker holds for the *other* peers' requests, which is what
+that frontend's router adds to its own books (router/load.py).
 
 Roles (DESIGN.md): `agg` prefills and decodes; `prefill` and `decode` also run a
 `KVTransferService`, so a prefill-only generate is answered with a KV transfer handle and a
