@@ -98,3 +98,21 @@ def test_approx_index_size_cap_forgets_the_oldest() -> None:
     assert approx.match([1, 2, 3]) == {} and approx.num_blocks() == 1
     with pytest.raises(ValueError, match="max_blocks"):
         ApproxIndexer(max_blocks=0)
+
+
+def test_held_blocks_count_shared_prompt_blocks_once_and_say_what_would_not_fit() -> None:
+    load = LoadTracker(block_size=16)
+    load.add_worker("w")
+    assert load.shortfall("w", [1, 2], 3) is None            # capacity unknown: no opinion
+    load.set_capacity("w", 10)
+    load.on_routed("a", "w", 3, 3, block_hashes=[1, 2], prompt_blocks=3)   # 2 full blocks + a partial one
+    load.on_routed("b", "w", 1, 1, block_hashes=[1, 2], prompt_blocks=3)   # same prefix: shared
+    assert load.held_blocks("w") == 2 + 1 + 1
+    assert load.shortfall("w", [1, 2, 7], 4) == 0            # 4 held + 2 new = 6 <= 10
+    assert load.shortfall("w", [8, 9, 10, 11, 12], 6) == 0   # 4 + 6 = 10: just fits
+    assert load.shortfall("w", [8, 9, 10, 11, 12, 13], 7) == 1
+    load.on_progress("a", num_tokens=3 * 16 + 16, num_cached_tokens=0)  # a grew to 4 blocks: 2 beyond its hashes
+    assert load.held_blocks("w") == 2 + 2 + 1
+    load.on_finished("a")
+    load.on_finished("b")
+    assert load.held_blocks("w") == 0 and load.shortfall("w", [1], 1) == 0

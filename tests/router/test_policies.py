@@ -133,3 +133,22 @@ def test_config_validation() -> None:
         make_router("kv").select(RoutingRequest("r", [1, 2], 5))
     router = make_router("kv", cost=CostConfig(temperature=1.0))
     assert router.select(request("r", [1])).probability is not None
+
+
+def test_kv_sends_a_request_where_it_fits_rather_than_where_its_prefix_waits_for_room() -> None:
+    shared = list(range(50, 60))                      # a 10-block prefix two running requests share on a
+    router = make_router("kv", workers=("a", "b"))
+    router.apply_event(BlockStored("a", "device", None, (*shared, 1, 2, 3), 0))
+    for worker in ("a", "b"):
+        router.report_capacity(worker, 12)
+    for rid in ("s1", "s2"):
+        assert router.select(request(rid, shared, extra_tokens=0)).worker == "a"
+    unlimited = make_router("kv", workers=("a", "b"))  # the same, without pool sizes
+    unlimited.apply_event(BlockStored("a", "device", None, (*shared, 1, 2, 3), 0))
+    for rid in ("s1", "s2"):
+        unlimited.select(request(rid, shared, extra_tokens=0))
+    assert unlimited.select(request("r", [1, 2, 3])).worker == "a"  # cheap: its prefix is cached there
+    decision = router.select(request("r", [1, 2, 3]))
+    assert decision.worker == "b"      # but a's pool is held by the shared prefix: r would wait for room
+    short = {t.worker: t.shortfall for t in decision.terms}
+    assert short["a"] > 0 and short["b"] == 0 and "short of room" in decision.explain()

@@ -28,7 +28,7 @@ from tests.serving.conftest import Server, start_server, stop_server
 
 log = logging.getLogger(__name__)
 
-GROUPS, PREFIX, SUFFIX, REQUESTS, CONCURRENCY, WORKERS, OUTPUT = 8, 384, 16, 64, 8, 4, 16
+GROUPS, PREFIX, SUFFIX, REQUESTS, CONCURRENCY, WORKERS, OUTPUT = 8, 384, 16, 128, 8, 4, 16
 BLOCK = 16
 POOL_BLOCKS = round(0.3 * GROUPS * PREFIX / BLOCK)  # ~30% of the prefixes per worker: 58 blocks
 STEP_TIME = "0.02,0.0002,0,0"

@@ -45,6 +45,8 @@ class WorkerConnection:
         self._outbox: list[dict[str, Any]] = []
         self.last_seen = time.monotonic()
         self.load: dict[str, float] = dict(info.metadata)
+        if "num_blocks" in info.metadata:
+            router.report_capacity(info.worker_id, int(info.metadata["num_blocks"]))
         self._reader = SocketReader(self.socket, self._on_frames)
         self._events: SocketReader | None = None
         if info.metadata.get("events_address") and router.indexer is not None:
@@ -124,6 +126,8 @@ class WorkerConnection:
 
     def _on_heartbeat(self, load: dict[str, float]) -> None:
         self.load.update(load)
+        if "num_blocks" in load:
+            self.router.report_capacity(self.worker_id, int(load["num_blocks"]))
         if "others_prefill_blocks" in load:  # what this frontend did not route there
             self.router.report_load(self.worker_id, load["others_prefill_blocks"],
                                     load.get("others_decode_blocks", 0.0))

@@ -13,7 +13,12 @@ whose `match` overlap is `overlap_tier` leading blocks per tier:
                                                             shared; host/disk/shared hits are
                                                             onboarded into new device blocks)
     decode         = active_decode + request_decode
-    cost           = prefill_weight · prefill + decode
+    shortfall      = blocks the request would lack on the worker's device: its prompt blocks not
+                     held by the worker's active requests, beyond the pool's room (router/load.py)
+    cost           = prefill_weight · prefill + decode + shortfall_weight · shortfall
+
+A shortfall means the request would wait on that worker until enough of its running requests
+finish (or preempt one): a cached prefix there is worth less than a worker where it fits now.
 
 The lowest cost wins; ties go to the least loaded (active prefill + decode blocks), then
 at random. With temperature T > 0 the worker is
@@ -44,12 +49,15 @@ class CostConfig:
     prefill_weight: float = 1.0
     tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
     temperature: float = 0.0
+    shortfall_weight: float = 4.0  # per block of device room the request would lack
 
     def __post_init__(self) -> None:
         if self.prefill_weight < 0:
             raise ValueError(f"prefill_weight must be >= 0, got {self.prefill_weight}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.shortfall_weight < 0:
+            raise ValueError(f"shortfall_weight must be >= 0, got {self.shortfall_weight}")
         if set(self.tier_weights) != set(TIERS):
             raise ValueError(f"tier_weights must give exactly the tiers {TIERS}, got {sorted(self.tier_weights)}")
         for tier, weight in self.tier_weights.items():
@@ -62,15 +70,17 @@ class CostConfig:
 
 
 def worker_terms(worker: str, prompt_blocks: int, overlap: Mapping[str, int], load: WorkerLoad,
-                 config: CostConfig) -> WorkerTerms:
+                 config: CostConfig, shortfall: float | None = None) -> WorkerTerms:
+    """`shortfall`: blocks the request would lack room for on the worker (None: unknown, taken as 0)."""
     weights = config.tier_weights
     cached = sum(weights[tier] * blocks for tier, blocks in overlap.items())
     new_prefill = max(0.0, prompt_blocks - cached)
     request_decode = float(max(0, prompt_blocks - overlap.get("device", 0)))
+    lacking = shortfall or 0.0
     cost = (config.prefill_weight * (new_prefill + load.prefill_blocks)
-            + load.decode_blocks + request_decode)
+            + load.decode_blocks + request_decode + config.shortfall_weight * lacking)
     return WorkerTerms(worker, dict(overlap), cached, new_prefill, load.prefill_blocks,
-                       request_decode, load.decode_blocks, cost)
+                       request_decode, load.decode_blocks, cost, lacking)
 
 
 def choose(terms: Sequence[WorkerTerms], temperature: float,

@@ -38,6 +38,7 @@ class WorkerTerms:
     request_decode: float       # blocks the request newly takes on the worker's device
     active_decode: float        # blocks the worker's running sequences hold
     cost: float
+    shortfall: float = 0.0      # device blocks the request would lack room for there
 
     @property
     def prefill(self) -> float:
@@ -50,7 +51,8 @@ class WorkerTerms:
     def describe(self) -> str:
         return (f"{self.worker}: cost {self.cost:g} = prefill {self.prefill:g} "
                 f"(new {self.new_prefill:g} + active {self.active_prefill:g}) "
-                f"+ decode {self.decode:g} (active {self.active_decode:g} + request {self.request_decode:g})")
+                f"+ decode {self.decode:g} (active {self.active_decode:g} + request {self.request_decode:g})"
+                + (f" + {self.shortfall:g} blocks short of room" if self.shortfall else ""))
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@
     router.apply_event(event)            # every KV event from the subscription; on ApplyStatus.GAP
                                          # ask event.worker for a snapshot, then router.apply_snapshot(...)
     router.report_load(worker, prefill_blocks, decode_blocks)          # other frontends' load there
+    router.report_capacity(worker, num_blocks)                         # its device pool size
     router.remove_worker("w1")           # lease lost: index, load and approx entries dropped
 
 `select` charges the chosen worker's load (and, in kv-approx mode, records the prompt's
@@ -112,7 +113,8 @@ class Router:
             worker, reason = self._select_by_rule(pool)
             decision = RoutingDecision(request.request_id, worker, self.policy, reason, prompt_blocks,
                                        prefill_charge=prompt_blocks, decode_charge=prompt_blocks)
-        self.load.on_routed(request.request_id, decision.worker, decision.prefill_charge, decision.decode_charge)
+        self.load.on_routed(request.request_id, decision.worker, decision.prefill_charge, decision.decode_charge,
+                            request.block_hashes, prompt_blocks)
         if self.approx is not None:
             self.approx.record(decision.worker, request.block_hashes)
         self.stats.observe_decision(self.policy, self.timer() - started, decision.overlap_blocks)
@@ -129,6 +131,10 @@ class Router:
 
     def on_finished(self, request_id: str) -> None:
         self.load.on_finished(request_id)
+
+    def report_capacity(self, worker: str, num_blocks: int | None) -> None:
+        """The worker's device KV pool in blocks: a request that would not fit there costs more."""
+        self.load.set_capacity(worker, num_blocks)
 
     def report_load(self, worker: str, prefill_blocks: float, decode_blocks: float) -> None:
         """What the worker holds for requests this router did not route (see `router.load`)."""
@@ -178,7 +184,9 @@ class Router:
         index = self.indexer if self.indexer is not None else self.approx
         matches: WorkerMatches = index.match(request.block_hashes)  # type: ignore[union-attr]
         cost, load = self.config.cost, self.load.load
-        terms = [worker_terms(w, prompt_blocks, matches.get(w, _NO_OVERLAP), load(w), cost) for w in pool]
+        hashes, short = request.block_hashes, self.load.shortfall
+        terms = [worker_terms(w, prompt_blocks, matches.get(w, _NO_OVERLAP), load(w), cost,
+                              short(w, hashes, prompt_blocks)) for w in pool]
         chosen_index, reason, probability = choose(terms, cost.temperature, self.rng)
         chosen = terms[chosen_index]
         return RoutingDecision(
