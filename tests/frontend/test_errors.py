@@ -35,6 +35,7 @@ BAD_BODIES = [
     (COMPLETIONS, _completion(max_tokens=0), "max_tokens"),
     (COMPLETIONS, _completion(temperature=-1), "temperature"),
     (COMPLETIONS, _completion(temperature="hot"), "temperature"),
+    (COMPLETIONS, _completion(temperature=2.5), "temperature"),   # OpenAI's range is [0, 2]
     (COMPLETIONS, _completion(top_p=0), "top_p"),
     (COMPLETIONS, _completion(top_k=-2), "top_k"),
     (COMPLETIONS, _completion(seed=2**64), "seed"),
@@ -55,6 +56,10 @@ BAD_BODIES = [
     (CHAT, _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      "messages[0].content[0].type"),
     (CHAT, _chat(max_completion_tokens=0), "max_completion_tokens"),
+    (CHAT, _chat(temperature=2.01), "temperature"),
+    (CHAT, _chat(messages=[{"role": "user"}]), "messages[0].content"),
+    (CHAT, _chat(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": None}]),
+     "messages[1].content"),
     (CHAT, _chat(max_tokens=-1), "max_tokens"),
     (CHAT, _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (CHAT, _chat(top_logprobs=2), "top_logprobs"),
@@ -99,6 +104,27 @@ def test_prompt_over_the_context_length_is_400(server: Served, path: str, body: 
     assert response.status_code == 400
     error = _error(response)
     assert (error["param"], error["code"]) == (param, "context_length_exceeded")
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (COMPLETIONS, _completion(max_tokens=10**6), "max_tokens"),
+    (CHAT, _chat(max_tokens=10**6), "max_tokens"),
+    (CHAT, _chat(max_tokens=None, max_completion_tokens=10**6), "max_completion_tokens"),
+])
+def test_a_limit_the_context_cannot_hold_is_400_not_a_silent_clamp(server: Served, path: str, body: dict[str, Any],
+                                                                    param: str) -> None:
+    response = httpx.post(server.url + path, json=body)
+    assert response.status_code == 400, response.text
+    error = _error(response)
+    assert (error["param"], error["code"]) == (param, "context_length_exceeded")
+    assert "maximum context length" in error["message"] and str(10**6) in error["message"]
+
+
+def test_limits_that_fit_and_an_assistant_turn_without_content_are_served(server: Served) -> None:
+    fits = httpx.post(server.url + COMPLETIONS, json=_completion(max_tokens=3, temperature=2.0, ignore_eos=True))
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 3
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "again"}]
+    assert httpx.post(server.url + CHAT, json=_chat(messages=turns)).status_code == 200
 
 
 def test_body_too_large_is_413(server: Served) -> None:

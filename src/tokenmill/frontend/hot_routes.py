@@ -6,6 +6,7 @@ frontend's CPU per request, for nothing those routes use. `HotRoutes` sits in fr
 the FastAPI app: /v1/completions and /v1/chat/completions go directly to their handlers
 (any method but POST is a 405), with their exceptions mapped by the same `error_response`
 the FastAPI app uses; every other request (and the lifespan) goes to the FastAPI app.
+Every HTTP request passes the API-key check here first (`auth.py`), whichever app serves it.
 """
 from __future__ import annotations
 
@@ -16,28 +17,38 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenmill.frontend.errors import error_response
+from tokenmill.frontend.auth import ApiKeys
+from tokenmill.frontend.errors import APIError, error_response
 
 Handler = Callable[[Request], Awaitable[ASGIApp]]  # a response is an ASGI app
 
 
 class HotRoutes:
     def __init__(self, app: FastAPI, handlers: dict[str, Handler],
-                 count_error: Callable[[int], None] | None = None) -> None:
+                 count_error: Callable[[int], None] | None = None, keys: ApiKeys = ApiKeys()) -> None:
         self.app = app
         self.handlers = handlers
         self.count_error = count_error
+        self.keys = keys
 
     @property
     def state(self):  # what callers of create_app read off a FastAPI app
         return self.app.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = self.handlers.get(scope["path"]) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        handler = self.handlers.get(scope["path"])
+        request = Request(scope, receive, send)
+        try:
+            self.keys.check(scope["path"], request.headers.get("authorization"))
+        except APIError as exc:
+            await error_response(request, exc, self.count_error)(scope, receive, send)
+            return
         if handler is None:
             await self.app(scope, receive, send)
             return
-        request = Request(scope, receive, send)
         try:
             if scope["method"] != "POST":
                 raise HTTPException(405, "Method Not Allowed", headers={"Allow": "POST"})

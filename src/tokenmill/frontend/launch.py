@@ -9,6 +9,7 @@ import socket
 import threading
 from pathlib import Path
 
+from tokenmill.frontend.auth import ApiKeys
 from tokenmill.router.policies import POLICIES
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,10 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-queue-limit", type=int, default=8,
                         help="with prefill workers: prefill locally while every prefill worker has "
                              "this many prefills in flight")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TOKENMILL_API_KEY)")
+    parser.add_argument("--admin-api-key", default=None,
+                        help="the key /admin routes require (default: $TOKENMILL_ADMIN_API_KEY, else the API key)")
     parser.add_argument("--reuse-port", action="store_true",
                         help="bind with SO_REUSEPORT, so several frontends share --port (the kernel "
                              "spreads connections over them)")
@@ -89,7 +94,7 @@ async def run_http(args: argparse.Namespace, backend) -> None:
     from tokenmill.frontend.app import create_app
 
     app = create_app(backend, model_name(args), usd_per_worker_hour=args.usd_per_worker_hour or None,
-                     request_timeout_s=args.request_timeout_s)
+                     request_timeout_s=args.request_timeout_s, keys=api_keys(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            http="httptools", access_log=False,
                                            timeout_graceful_shutdown=5))
@@ -101,6 +106,10 @@ async def run_http(args: argparse.Namespace, backend) -> None:
         # the workers) runs; an exception unwinds through it instead.
         signal.signal(signal.SIGTERM, _exit_after_cleanup)
     await server.serve(sockets=sockets)
+
+
+def api_keys(args: argparse.Namespace) -> ApiKeys:
+    return ApiKeys.resolve(args.api_key, args.admin_api_key)
 
 
 def shared_port_socket(host: str, port: int) -> socket.socket:

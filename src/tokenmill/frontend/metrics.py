@@ -1,8 +1,9 @@
 """Prometheus metrics for one app, in the app's own registry (tests build many apps).
 
 The frontend measures what it sees per request (TTFT, ITL, end-to-end latency, token
-counts, outcomes). Worker-side gauges come from `Backend.metrics_snapshot()`, read at
-scrape time; its keys are Prometheus series names, optionally with labels:
+counts, outcomes). Worker-side and router series come from `Backend.metrics_snapshot()`,
+read at scrape time and typed by their names (`metric_families.py`); its keys are Prometheus
+series names, optionally with labels:
 `tokenmill_worker_kv_usage{worker="w0"}`. `tokenmill_workers` (the number of serving
 workers) also feeds the cost gauge:
     usd_per_worker_hour × workers ÷ (output tokens per hour over the last window) × 1e6.
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from tokenmill.frontend.metric_families import typed_families
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ class OutputTokenRate:
 
 
 class _BackendCollector(Collector):
-    """Backend gauges plus the derived cost gauge, computed at scrape time."""
+    """Backend series (typed: `metric_families.py`) plus the derived cost gauge, at scrape time."""
 
     def __init__(self, snapshot: Callable[[], dict[str, float]], rate: OutputTokenRate,
                  usd_per_worker_hour: float | None) -> None:
@@ -99,14 +102,14 @@ class _BackendCollector(Collector):
         except Exception:  # a broken snapshot must not take the other metrics down
             log.exception("backend metrics_snapshot failed")
             snapshot = {}
-        yield from self._gauges(snapshot)
+        yield from self._families(snapshot)
         cost = self._cost(snapshot.get(WORKERS_GAUGE, 1.0))
         if cost is not None:
             yield GaugeMetricFamily("tokenmill_cost_per_million_output_tokens_usd",
                                     "worker cost per million output tokens at the recent output rate", value=cost)
 
-    def _gauges(self, snapshot: dict[str, float]) -> Iterator[Metric]:
-        families: dict[str, tuple[GaugeMetricFamily, list[str]]] = {}
+    def _families(self, snapshot: dict[str, float]) -> Iterator[Metric]:
+        series = []
         for key, value in sorted(snapshot.items()):
             parsed = parse_series(key)
             if parsed is None:
@@ -114,14 +117,8 @@ class _BackendCollector(Collector):
                     self._warned.add(key)
                     log.warning("ignoring malformed backend metric %r", key)
                 continue
-            name, labels = parsed
-            if name not in families:
-                label_names = sorted(labels)
-                families[name] = (GaugeMetricFamily(name, f"backend gauge {name}", labels=label_names), label_names)
-            family, label_names = families[name]
-            if sorted(labels) == label_names:  # one label set per family, as Prometheus requires
-                family.add_metric([labels[k] for k in label_names], float(value))
-        return (family for family, _ in families.values())
+            series.append((*parsed, float(value)))
+        return typed_families(series)
 
     def _cost(self, workers: float) -> float | None:
         tokens_per_s = self.rate.per_second()

@@ -19,6 +19,7 @@ from tokenmill.frontend.schema import (ChatCompletionRequest, ChatMessage, Compl
                                       TextContentPart)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; the engine would take more, the API does not
 # Prompts up to this many characters are tokenized on the event loop (tens of microseconds);
 # longer ones on a thread, so a long prompt cannot stall every other stream. The thread
 # hop costs more than tokenizing a short prompt, and contends for the GIL besides.
@@ -61,6 +62,9 @@ def reject_unsupported(body: SamplingFields) -> None:
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
                     aliases: dict[str, str]) -> SamplingParams:
+    if body.temperature is not None and not 0.0 <= body.temperature <= MAX_TEMPERATURE:
+        raise invalid_param("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g}, "
+                                           f"got {body.temperature}")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -117,12 +121,28 @@ def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer) -> list[int
     return list(prompt)
 
 
-def completion_limits(body: CompletionRequest) -> tuple[int, int | None]:
-    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    return max_tokens, body.logprobs
+def completion_limits(body: CompletionRequest, prompt_len: int, max_model_len: int) -> tuple[int, int | None]:
+    """(max tokens, engine logprobs). An explicit max_tokens the context cannot hold is refused,
+    as OpenAI and vLLM do; the default (16) is cut to what fits."""
+    if body.max_tokens is None:
+        return max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, max_model_len - prompt_len)), body.logprobs
+    check_room(prompt_len, body.max_tokens, max_model_len, "max_tokens", "prompt")
+    return body.max_tokens, body.logprobs
+
+
+def check_room(prompt_len: int, max_tokens: int, max_model_len: int, param: str, prompt_param: str) -> None:
+    """prompt + max_tokens must fit the context: a 400 naming the limit's field otherwise."""
+    if isinstance(max_tokens, int) and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
+        raise invalid_param(param, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                   f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, "
+                                   f"{max_tokens} in the completion). Please reduce the length of the "
+                                   f"{prompt_param} or {param}.", code="context_length_exceeded")
 
 
 def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    for i, message in enumerate(body.messages):
+        if message.role in ("system", "developer", "user") and message.content is None:
+            raise invalid_param(f"messages[{i}].content", f"a {message.role} message must have content")
     messages = [_template_message(m.model_dump(exclude_none=True)) for m in body.messages]
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -142,6 +162,8 @@ def chat_limits(body: ChatCompletionRequest, prompt_len: int, max_model_len: int
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = max(1, max_model_len - prompt_len) if requested is None else requested
+    if requested is not None:
+        check_room(prompt_len, requested, max_model_len, field, "messages")
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_param("top_logprobs", "top_logprobs requires logprobs to be true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

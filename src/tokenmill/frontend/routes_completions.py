@@ -49,7 +49,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response |
     check_request(body, ctx.served_model_name)
     prompt = await tokenized(completion_prompt, body, ctx.backend.tokenizer, prompt_chars(body.prompt))
     check_context_length(prompt, ctx.backend.max_model_len, "prompt")
-    max_tokens, logprobs = completion_limits(body)
+    max_tokens, logprobs = completion_limits(body, len(prompt), ctx.backend.max_model_len)
     params = sampling_params(body, max_tokens, logprobs, aliases={})
     chunks = CompletionChunks(new_request_id("cmpl"), ctx.served_model_name, ctx.backend.tokenizer,
                               logprobs is not None)

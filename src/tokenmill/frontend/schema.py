@@ -23,6 +23,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: with include_usage, usage on every chunk
 
 
 class SamplingFields(_Request):

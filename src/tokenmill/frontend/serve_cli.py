@@ -11,8 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tokenmill.frontend.launch import (add_frontend_flags, disagg_config, frontend_argv, make_backend, model_name,
-                                      router_policy, run_http)
+from tokenmill.frontend.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
+from tokenmill.frontend.launch import (add_frontend_flags, api_keys, disagg_config, frontend_argv, make_backend,
+                                      model_name, router_policy, run_http)
 from tokenmill.runtime import event_loop
 from tokenmill.transfer.memory import remove_shared_files_of
 
@@ -71,7 +72,10 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
     registry = run_dir / "registry"
     discovery = FileDiscovery(registry)
     specs = [ChildSpec(name, _worker_argv(args, name, role, run_dir, engine_args)) for name, role in _workers(args)]
-    specs += [ChildSpec(f"api-server-{i}", _api_server_argv(args, run_dir)) for i in range(1, args.api_servers)]
+    keys = api_keys(args)  # to the other API servers by environment: a command line is public (ps)
+    key_env = {k: v for k, v in ((API_KEY_ENV, keys.api), (ADMIN_API_KEY_ENV, keys.admin)) if v}
+    specs += [ChildSpec(f"api-server-{i}", _api_server_argv(args, run_dir), key_env)
+              for i in range(1, args.api_servers)]
     args.reuse_port = args.reuse_port or args.api_servers > 1
     # the workers start first, all at once: they boot while this process loads the frontend
     supervisor = Supervisor(specs, on_exit=lambda name: _worker_died(backend, discovery, name, supervisor.pid(name)))

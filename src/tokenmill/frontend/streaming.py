@@ -2,7 +2,8 @@
 
 With `stream_options.include_usage`, every chunk carries `"usage": null` and one last
 chunk with empty `choices` carries the usage (as OpenAI does); without it, chunks
-have no `usage` key. A generation that fails mid-stream sends
+have no `usage` key. With `continuous_usage_stats` too (vLLM's extension), every chunk
+carries the usage so far instead of null. A generation that fails mid-stream sends
 `data: {"error": {...}}` and then `data: [DONE]`.
 
 Chunks are plain dicts serialized with orjson (the pydantic models in `schema.py` define
@@ -13,6 +14,7 @@ with one watcher task for a client hang-up, instead of Starlette's per-stream ta
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -87,8 +89,11 @@ def error_frame(message: str) -> bytes:
     return sse_frame(error_body(ErrorDetail(message=message, type=SERVER_ERROR, code="internal_error")))
 
 
-async def sse_events(stream: TokenStream, writer: ChunkWriter, include_usage: bool) -> AsyncIterator[bytes]:
+async def sse_events(stream: TokenStream, writer: ChunkWriter, include_usage: bool,
+                     continuous_usage: bool = False) -> AsyncIterator[bytes]:
     for chunk in writer.opening():
+        if continuous_usage:
+            chunk["usage"] = _usage_so_far(stream.first, 0)
         yield _chunk_frame(chunk, include_usage)
     failed = False
     async with contextlib.aclosing(stream.deltas()) as deltas:  # closing aborts the generation at once
@@ -97,12 +102,19 @@ async def sse_events(stream: TokenStream, writer: ChunkWriter, include_usage: bo
                 failed = True
                 yield error_frame(stream.error_message or "generation failed")
                 continue
-            frames = [_chunk_frame(chunk, include_usage) for chunk in writer.for_delta(out)]
+            chunks = writer.for_delta(out)
+            for chunk in chunks if continuous_usage else ():
+                chunk["usage"] = _usage_so_far(out, out.num_output_tokens)
+            frames = [_chunk_frame(chunk, include_usage) for chunk in chunks]
             if frames:
                 yield b"".join(frames)
     if include_usage and not failed:
         yield _chunk_frame(writer.usage_chunk(usage_of(stream.last).model_dump()), include_usage=True)
     yield DONE_FRAME
+
+
+def _usage_so_far(out: RequestOutput, completion_tokens: int) -> dict[str, Any]:
+    return usage_of(dataclasses.replace(out, num_output_tokens=completion_tokens)).model_dump()
 
 
 class SSEResponse:
@@ -131,8 +143,10 @@ async def serve_generation(ctx: ServingContext, request: Request, body: Sampling
     async with CancelOnDisconnect(request.receive) as guard:
         tokens = await TokenStream.open(ctx, request_id, prompt, params, aliases)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return SSEResponse(sse_events(tokens, writer, include_usage))
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = include_usage and bool(options and options.continuous_usage_stats)
+            return SSEResponse(sse_events(tokens, writer, include_usage, continuous))
         outputs = await tokens.collect()
     if guard.gone or tokens is None:
         if tokens is None:  # an opened stream counts its own outcome ("disconnected")
