@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tokenmill.frontend.access_log import AccessLog
 from tokenmill.frontend.auth import ApiKeys
 from tokenmill.frontend.backend import Backend
 from tokenmill.frontend.body import DEFAULT_MAX_BODY_BYTES
@@ -38,10 +39,11 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour: float | None = None,
                request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, manage_backend: bool = True,
-               keys: ApiKeys = ApiKeys()) -> HotRoutes:
+               keys: ApiKeys = ApiKeys(), access_log: bool = True) -> HotRoutes:
     """The ASGI app. `request_timeout_s` is every request's deadline (None: none);
     `usd_per_worker_hour` enables the `tokenmill_cost_per_million_output_tokens_usd` gauge;
-    `keys` guard the `/v1` and `/admin` routes (`auth.py`)."""
+    `keys` guard the `/v1` and `/admin` routes (`auth.py`); `access_log` writes a line per
+    generation request (`access_log.py`)."""
     metrics = FrontendMetrics(backend.metrics_snapshot, usd_per_worker_hour)
     ctx = ServingContext(backend, metrics, served_model_name, request_timeout_s, max_body_bytes, int(time.time()))
 
@@ -62,7 +64,7 @@ def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour:
     _add_service_routes(app, ctx)
     hot = {"/v1/completions": partial(create_completion, ctx),
            "/v1/chat/completions": partial(create_chat_completion, ctx)}
-    return HotRoutes(app, hot, metrics.count_http_error, keys)
+    return HotRoutes(app, hot, metrics.count_http_error, keys, AccessLog(access_log))
 
 
 def _model_card(ctx: ServingContext) -> ModelCard:

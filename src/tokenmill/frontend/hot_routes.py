@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tokenmill.frontend.access_log import AccessLog
 from tokenmill.frontend.auth import ApiKeys
 from tokenmill.frontend.errors import APIError, error_response
 
@@ -25,11 +26,13 @@ Handler = Callable[[Request], Awaitable[ASGIApp]]  # a response is an ASGI app
 
 class HotRoutes:
     def __init__(self, app: FastAPI, handlers: dict[str, Handler],
-                 count_error: Callable[[int], None] | None = None, keys: ApiKeys = ApiKeys()) -> None:
+                 count_error: Callable[[int], None] | None = None, keys: ApiKeys = ApiKeys(),
+                 access_log: AccessLog | None = None) -> None:
         self.app = app
         self.handlers = handlers
         self.count_error = count_error
         self.keys = keys
+        self.access_log = access_log or AccessLog()
 
     @property
     def state(self):  # what callers of create_app read off a FastAPI app
@@ -41,18 +44,24 @@ class HotRoutes:
             return
         handler = self.handlers.get(scope["path"])
         request = Request(scope, receive, send)
-        try:
-            self.keys.check(scope["path"], request.headers.get("authorization"))
-        except APIError as exc:
-            await error_response(request, exc, self.count_error)(scope, receive, send)
-            return
+        if self.keys.required_for(scope["path"]) is not None:  # (no key configured: no header parsing)
+            try:
+                self.keys.check(scope["path"], request.headers.get("authorization"))
+            except APIError as exc:
+                await error_response(request, exc, self.count_error)(scope, receive, send)
+                return
         if handler is None:
             await self.app(scope, receive, send)
-            return
+        elif self.access_log.active():
+            await self.access_log.serve(request, send, lambda logged: self._generate(handler, request, logged))
+        else:
+            await self._generate(handler, request, send)
+
+    async def _generate(self, handler: Handler, request: Request, send: Send) -> None:
         try:
-            if scope["method"] != "POST":
+            if request.method != "POST":
                 raise HTTPException(405, "Method Not Allowed", headers={"Allow": "POST"})
             response = await handler(request)
         except Exception as exc:  # every failure becomes an OpenAI error response
             response = error_response(request, exc, self.count_error)
-        await response(scope, receive, send)
+        await response(request.scope, request.receive, send)

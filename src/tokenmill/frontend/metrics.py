@@ -162,13 +162,15 @@ class RequestTimer:
     metrics: FrontendMetrics
     arrival: float
     last_token_at: float | None = None
+    ttft_s: float | None = None
 
     def on_tokens(self, count: int) -> None:
         if count <= 0:
             return
         now = time.monotonic()
         if self.last_token_at is None:
-            self.metrics.ttft.observe(now - self.arrival)
+            self.ttft_s = now - self.arrival
+            self.metrics.ttft.observe(self.ttft_s)
         else:
             per_token = (now - self.last_token_at) / count  # a delta may carry several tokens
             for _ in range(count):

@@ -142,6 +142,7 @@ async def serve_generation(ctx: ServingContext, request: Request, body: Sampling
     tokens: TokenStream | None = None
     async with CancelOnDisconnect(request.receive) as guard:
         tokens = await TokenStream.open(ctx, request_id, prompt, params, aliases)
+        request.state.tokens = tokens  # for the access log
         if body.stream:
             options = body.stream_options
             include_usage = bool(options and options.include_usage)
