@@ -154,6 +154,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         self._validate_prompt(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if any(token >= vocab for token in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer")
         request = Request(request_id, list(prompt_token_ids), params, extra_key, output_offset,

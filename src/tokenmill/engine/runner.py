@@ -38,7 +38,8 @@ class TorchModelRunner:
         input_ids, positions, batch, logits_rows = self._prepare(out, kv)
         logits = self.model(input_ids, positions, self.kv_cache, batch, logits_rows)
         sampling = [s for s in out.seqs if s.samples]
-        rows = [SampleRow(s.request.params, s.request.output_offset + len(s.request.output_token_ids))
+        rows = [SampleRow(s.request.params, s.request.output_offset + len(s.request.output_token_ids),
+                          s.request.output_token_ids, s.request.prompt_token_ids)
                 for s in sampling]
         tokens, logprobs = sample(logits, rows, self.generator)
         return {s.request.request_id: (t, lp) for s, t, lp in zip(sampling, tokens, logprobs)}

@@ -16,6 +16,8 @@ from tokenmill.engine.sampling import SampleRow, TokenLogprob
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator) -> tuple[
         list[int], list[TokenLogprob | None]]:
     """One token per row of fp32 `logits` [rows, vocab]."""
+    if any(r.params.penalised for r in rows):
+        logits = apply_penalties(logits, rows)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
@@ -23,6 +25,40 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Gen
         tokens[idx] = _sample_random(logits.index_select(0, idx), [rows[i] for i in random_rows], generator)
     token_list = tokens.tolist()
     return token_list, _logprobs(logits, rows, token_list)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Penalties and biases for the whole batch at once: token counts come from one bincount over
+    the penalised rows' tokens, so the cost grows with the tokens, not with Python work per row."""
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    index = [i for i, r in enumerate(rows) if r.params.penalised]
+    params = [rows[i].params for i in index]
+    rows_t = torch.tensor(index)
+    out_counts = _counts([rows[i].output_token_ids for i in index], vocab)
+    presence = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype).unsqueeze(1)
+    frequency = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype).unsqueeze(1)
+    chosen = logits.index_select(0, rows_t)
+    chosen -= presence * (out_counts > 0) + frequency * out_counts
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = (out_counts + _counts([rows[i].prompt_token_ids for i in index], vocab)) > 0
+        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype).unsqueeze(1)
+        scaled = torch.where(chosen > 0, chosen / penalty, chosen * penalty)
+        chosen = torch.where(seen, scaled, chosen)
+    bias_rows = [j for j, p in enumerate(params) for _ in p.logit_bias]
+    if bias_rows:
+        tokens = [t for p in params for t in p.logit_bias]
+        values = torch.tensor([v for p in params for v in p.logit_bias.values()], dtype=logits.dtype)
+        chosen.index_put_((torch.tensor(bias_rows), torch.tensor(tokens)), values, accumulate=True)
+    logits[rows_t] = chosen
+    return logits
+
+
+def _counts(token_lists: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """[len(token_lists), vocab] occurrence counts, from one flat bincount."""
+    flat = [j * vocab + t for j, tokens in enumerate(token_lists) for t in tokens]
+    counts = torch.bincount(torch.tensor(flat, dtype=torch.long), minlength=len(token_lists) * vocab)
+    return counts.view(len(token_lists), vocab).to(torch.float32)
 
 
 def _sample_random(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator) -> torch.Tensor:

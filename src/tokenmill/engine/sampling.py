@@ -22,6 +22,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N: the sampled token's logprob plus the top N
+    presence_penalty: float = 0.0  # OpenAI: minus this from the logit of every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often the token was generated
+    repetition_penalty: float = 1.0  # vLLM/HF: seen tokens' (prompt or output) logits divided (>0) or multiplied
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -41,6 +45,20 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=MAX_TOP_LOGPROBS)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the sampler must adjust this request's logits before choosing."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +75,24 @@ def _normalise_stop(stop: object) -> list[str]:
     if any(s == "" for s in stop):
         raise ValueError("stop strings must not be empty")
     return list(stop)
+
+
+def _normalise_logit_bias(bias: object) -> dict[int, float]:
+    """Token id (an int, or its decimal string as JSON keys are) -> bias in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must be a map of token ids to biases")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.strip().isdigit():
+            token = int(key)
+        if token is None or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        _check_number("logit_bias", value)
+        if not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token}")
+        out[token] = float(value)
+    return out
 
 
 def _check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
@@ -84,3 +120,5 @@ class TokenLogprob:
 class SampleRow:
     params: SamplingParams
     output_index: int  # how many tokens the request has produced before this one
+    output_token_ids: Sequence[int] = ()  # what it generated so far (presence/frequency penalties)
+    prompt_token_ids: Sequence[int] = ()  # its prompt (repetition penalty: seen tokens)

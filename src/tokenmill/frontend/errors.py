@@ -25,7 +25,8 @@ INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
 # The SamplingParams / engine field names a ValueError message starts with.
 _ENGINE_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-                            "logprobs", "prompt"})
+                            "logprobs", "prompt", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                            "logit_bias"})
 # pydantic names union members in error locations ("str", "list[int]", "TextContentPart"); they
 # are not part of the client's field path.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|.*[\[\]-].*|[A-Z].*)$")

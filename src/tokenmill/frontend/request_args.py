@@ -1,7 +1,7 @@
 """From a validated request body to what the backend takes: prompt token ids and SamplingParams.
 
 Every refusal here is a 400 that names the request field, including fields OpenAI
-defines that tokenmill does not implement (n > 1, penalties, logit_bias, echo, tools):
+defines that tokenmill does not implement (n > 1, echo, tools):
 silently ignoring them would return something the client did not ask for.
 """
 from __future__ import annotations
@@ -43,9 +43,6 @@ def reject_unsupported(body: SamplingFields) -> None:
     """OpenAI fields we cannot honour, each only when set to something other than its no-op value."""
     unsupported: list[tuple[str, bool, str]] = [
         ("n", body.n not in (None, 1), "only n=1 is supported"),
-        ("presence_penalty", body.presence_penalty not in (None, 0.0), "presence_penalty is not supported"),
-        ("frequency_penalty", body.frequency_penalty not in (None, 0.0), "frequency_penalty is not supported"),
-        ("logit_bias", bool(body.logit_bias), "logit_bias is not supported"),
     ]
     if isinstance(body, CompletionRequest):
         unsupported += [("best_of", body.best_of not in (None, 1), "only best_of=1 is supported"),
@@ -75,6 +72,10 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
             stop=body.stop or [],
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=dict(body.logit_bias or {}),
         )
     except ValueError as exc:
         raise from_value_error(exc, aliases) from exc

@@ -41,6 +41,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
