@@ -95,6 +95,10 @@ class TokenStream:
         return RequestOutput(last.request_id, [], "", True, FINISH_ERROR, last.num_prompt_tokens,
                              last.num_output_tokens, last.num_cached_tokens)
 
+    async def close(self) -> None:
+        """Abandon the stream unread (another choice of its request failed): aborts its generation."""
+        await self.source.aclose()
+
     async def collect(self) -> list[RequestOutput]:
         return [out async for out in self.deltas()]
 

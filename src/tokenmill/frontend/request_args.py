@@ -19,6 +19,7 @@ from tokenmill.frontend.schema import (ChatCompletionRequest, ChatMessage, Compl
                                       TextContentPart)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 16  # n × prompts per request: beyond it a client should send several requests
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; the engine would take more, the API does not
 # Prompts up to this many characters are tokenized on the event loop (tens of microseconds);
 # longer ones on a thread, so a long prompt cannot stall every other stream. The thread
@@ -41,9 +42,9 @@ def check_request(body: SamplingFields, served_model: str) -> None:
 
 def reject_unsupported(body: SamplingFields) -> None:
     """OpenAI fields we cannot honour, each only when set to something other than its no-op value."""
-    unsupported: list[tuple[str, bool, str]] = [
-        ("n", body.n not in (None, 1), "only n=1 is supported"),
-    ]
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise invalid_param("n", f"n must be between 1 and {MAX_CHOICES}, got {body.n}")
+    unsupported: list[tuple[str, bool, str]] = []
     if isinstance(body, CompletionRequest):
         unsupported += [("best_of", body.best_of not in (None, 1), "only best_of=1 is supported"),
                         ("echo", bool(body.echo), "echo is not supported"),
@@ -111,15 +112,15 @@ async def tokenized(tokenize: Callable[[BodyT, Tokenizer], list[int]], body: Bod
     return await asyncio.to_thread(tokenize, body, tokenizer)
 
 
-def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """The request's prompts as token ids: one string or id list, or a list of them."""
     prompt: Any = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise invalid_param("prompt", "only one prompt per request is supported")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt) if prompt else []
-    return list(prompt)
+    several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    prompts = list(prompt) if several else [prompt]
+    if len(prompts) * (body.n or 1) > MAX_CHOICES:
+        raise invalid_param("prompt", f"at most {MAX_CHOICES} choices per request (prompts x n), "
+                                      f"got {len(prompts)} x {body.n or 1}")
+    return [(tokenizer.encode(p) if p else []) if isinstance(p, str) else list(p) for p in prompts]
 
 
 def completion_limits(body: CompletionRequest, prompt_len: int, max_model_len: int) -> tuple[int, int | None]:

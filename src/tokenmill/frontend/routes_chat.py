@@ -14,12 +14,13 @@ from fastapi.responses import Response
 from tokenmill.engine.request import RequestOutput
 from tokenmill.engine.sampling import TokenLogprob
 from tokenmill.frontend.body import parse_body
-from tokenmill.frontend.formatting import api_finish_reason, chat_logprobs, new_request_id, usage_of
+from tokenmill.frontend.choices import serve_choices
+from tokenmill.frontend.formatting import api_finish_reason, chat_logprobs, new_request_id
 from tokenmill.frontend.generation import ServingContext
 from tokenmill.frontend.request_args import (chat_limits, chat_prompt, check_context_length, check_request,
                                              prompt_chars, sampling_params, tokenized)
 from tokenmill.frontend.schema import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
-                                       ChatCompletionResponse)
+                                       ChatCompletionResponse, Usage)
 from tokenmill.frontend.streaming import ChunkWriter, SSEResponse, serve_generation
 
 
@@ -31,8 +32,8 @@ class ChatChunks(ChunkWriter):
         return chat_logprobs(self.tokenizer, logprobs) if self.want_logprobs else None
 
     def opening(self) -> list[dict[str, Any]]:
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])]
+        return [self._chunk([{"index": self.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])]
 
     def for_delta(self, out: RequestOutput) -> list[dict[str, Any]]:
         if self.skips(out):
@@ -40,20 +41,22 @@ class ChatChunks(ChunkWriter):
         # OpenAI's final chunk carries `"delta": {}`, not a delta full of nulls
         delta = {"content": out.new_text} if (out.new_text or not out.finished) else {}
         logprobs = self._logprobs(out.new_logprobs)
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs.model_dump() if logprobs else None,
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs.model_dump() if logprobs else None,
                   "finish_reason": api_finish_reason(out.finish_reason) if out.finished else None}
         return [self._chunk([choice])]
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return self._chunk([], usage)
 
-    def whole(self, outputs: list[RequestOutput]) -> ChatCompletionResponse:
-        last = outputs[-1]
+    def choice(self, outputs: list[RequestOutput]) -> ChatChoice:
         message = AssistantMessage(content="".join(out.new_text for out in outputs))
-        choice = ChatChoice(message=message, logprobs=self._logprobs([lp for o in outputs for lp in o.new_logprobs]),
-                            finish_reason=api_finish_reason(last.finish_reason))
-        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[choice],
-                                      usage=usage_of(last))
+        return ChatChoice(index=self.index, message=message,
+                          logprobs=self._logprobs([lp for o in outputs for lp in o.new_logprobs]),
+                          finish_reason=api_finish_reason(outputs[-1].finish_reason))
+
+    def response(self, choices: list[ChatChoice], usage: Usage) -> ChatCompletionResponse:  # type: ignore[override]
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
+                                      usage=usage)
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response | SSEResponse:
@@ -64,6 +67,11 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     max_tokens, logprobs, limit_field = chat_limits(body, len(prompt), ctx.backend.max_model_len)
     aliases = {"prompt": "messages", "max_tokens": limit_field, "logprobs": "top_logprobs"}
     params = sampling_params(body, max_tokens, logprobs, aliases)
-    chunks = ChatChunks(new_request_id("chatcmpl"), ctx.served_model_name, ctx.backend.tokenizer,
-                        logprobs is not None)
-    return await serve_generation(ctx, request, body, prompt, params, aliases, chunks)
+    request_id, n = new_request_id("chatcmpl"), body.n or 1
+
+    def writer(index: int) -> ChatChunks:
+        return ChatChunks(request_id, ctx.served_model_name, ctx.backend.tokenizer, logprobs is not None, index)
+
+    if n == 1:
+        return await serve_generation(ctx, request, body, prompt, params, aliases, writer(0))
+    return await serve_choices(ctx, request, body, [prompt], params, aliases, n, writer)

@@ -32,7 +32,7 @@ from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.errors import SERVER_ERROR, APIError, error_body
 from tokenmill.frontend.formatting import usage_of
 from tokenmill.frontend.generation import CancelOnDisconnect, ServingContext, TokenStream
-from tokenmill.frontend.schema import ErrorDetail, SamplingFields
+from tokenmill.frontend.schema import ErrorDetail, SamplingFields, Usage
 
 log = logging.getLogger(__name__)
 # nginx's "client closed request": nobody reads it, but access logs should say what happened.
@@ -44,14 +44,17 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache
 
 
 class ChunkWriter:
-    """One request's response objects: the streamed chunks (dicts) and the one-shot body (per endpoint)."""
+    """One choice's response objects: the streamed chunks (dicts) and the one-shot body (per endpoint).
+    A request with several choices (n > 1, several prompts) has a writer per choice, `index` apart."""
 
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool) -> None:
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool,
+                 index: int = 0) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.want_logprobs = want_logprobs
+        self.index = index
 
     def opening(self) -> list[dict[str, Any]]:
         return []
@@ -62,8 +65,15 @@ class ChunkWriter:
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def whole(self, outputs: list[RequestOutput]) -> BaseModel:
+    def choice(self, outputs: list[RequestOutput]) -> BaseModel:
+        """This choice of the one-shot body."""
         raise NotImplementedError
+
+    def response(self, choices: list[BaseModel], usage: Usage) -> BaseModel:
+        raise NotImplementedError
+
+    def whole(self, outputs: list[RequestOutput]) -> BaseModel:
+        return self.response([self.choice(outputs)], usage_of(outputs[-1]))
 
     def envelope(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         """The fields every chunk opens with, in OpenAI's order (`schema._Envelope`)."""
@@ -79,7 +89,7 @@ def sse_frame(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def _chunk_frame(chunk: dict[str, Any], include_usage: bool) -> bytes:
+def chunk_frame(chunk: dict[str, Any], include_usage: bool) -> bytes:
     if not include_usage:
         chunk.pop("usage", None)
     return sse_frame(chunk)
@@ -91,26 +101,33 @@ def error_frame(message: str) -> bytes:
 
 async def sse_events(stream: TokenStream, writer: ChunkWriter, include_usage: bool,
                      continuous_usage: bool = False) -> AsyncIterator[bytes]:
+    failed: list[bool] = []
+    async for frame in choice_frames(stream, writer, include_usage, continuous_usage, failed):
+        yield frame
+    if include_usage and not failed:
+        yield chunk_frame(writer.usage_chunk(usage_of(stream.last).model_dump()), include_usage=True)
+    yield DONE_FRAME
+
+
+async def choice_frames(stream: TokenStream, writer: ChunkWriter, include_usage: bool, continuous_usage: bool,
+                        failed: list[bool]) -> AsyncIterator[bytes]:
+    """One choice's frames: its opening, its deltas, or an error event (then `failed` gets a True)."""
     for chunk in writer.opening():
         if continuous_usage:
             chunk["usage"] = _usage_so_far(stream.first, 0)
-        yield _chunk_frame(chunk, include_usage)
-    failed = False
+        yield chunk_frame(chunk, include_usage)
     async with contextlib.aclosing(stream.deltas()) as deltas:  # closing aborts the generation at once
         async for out in deltas:
             if out.finish_reason == FINISH_ERROR:
-                failed = True
+                failed.append(True)
                 yield error_frame(stream.error_message or "generation failed")
                 continue
             chunks = writer.for_delta(out)
             for chunk in chunks if continuous_usage else ():
                 chunk["usage"] = _usage_so_far(out, out.num_output_tokens)
-            frames = [_chunk_frame(chunk, include_usage) for chunk in chunks]
+            frames = [chunk_frame(chunk, include_usage) for chunk in chunks]
             if frames:
                 yield b"".join(frames)
-    if include_usage and not failed:
-        yield _chunk_frame(writer.usage_chunk(usage_of(stream.last).model_dump()), include_usage=True)
-    yield DONE_FRAME
 
 
 def _usage_so_far(out: RequestOutput, completion_tokens: int) -> dict[str, Any]:
