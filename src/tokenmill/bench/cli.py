@@ -29,6 +29,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "KV tiers on small-moe: agentic TTFT with host+disk vs device-only, cross-replica TTFT via a shared tier"),
     ("disagg", "tokenmill.bench.disagg_bench",
      "prefill/decode interference on small-moe: aggregated vs disaggregated TTFT, ITL p50/p99, output tok/s"),
+    ("choices", "tokenmill.bench.choices_bench",
+     "n=4 choices in one request vs 4 separate requests of the same prompt: output tok/s, prompt tokens computed"),
     ("fleet-agreement", "tokenmill.bench.fleet_agreement",
      "the live mock fleet (--mock-profile) against the fleet simulator on the same trace slice"),
     ("fleet-sim", "tokenmill.bench.fleet_sim_bench",

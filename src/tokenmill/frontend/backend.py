@@ -32,8 +32,11 @@ class Backend(Protocol):
     tokenizer: Tokenizer
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+                 deadline: float | None = None, follow: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream deltas until one has `finished`; its `finish_reason` is stop/length/abort/error.
+
+        `follow` names a request in flight with the same prompt (another choice of the same
+        client request): serve this one where that one is served, so they share its prefill.
 
         Raises ValueError (a client mistake, message names the field) or `Overloaded`
         before the first delta. `deadline` is a `time.monotonic()` instant after which

@@ -2,8 +2,9 @@
 
 Every choice is its own generation (its own backend request). The choices of one prompt share
 its prefill: the first is sent alone, and once its first token exists (its prompt's blocks are
-in the prefix cache) the other n − 1 follow and find them there. With a seed, choice j draws
-from seed + j, so the choices differ and each stays reproducible.
+in the prefix cache) the other n − 1 follow it to its worker (`Backend.generate(follow=...)`)
+and find them there. That costs the later choices one prefill's wait, and saves n − 1 prefills.
+With a seed, choice j draws from seed + j, so the choices differ and each stays reproducible.
 
 Choice indices run prompt by prompt, as OpenAI's do: prompt i's choices are i·n … i·n + n − 1.
 Usage counts each prompt once, every choice's output, and each prompt's cached tokens once
@@ -37,33 +38,50 @@ def choice_params(params: SamplingParams, j: int) -> SamplingParams:
 
 async def _open_prompt(ctx: ServingContext, request_id: str, prompt: list[int], params: SamplingParams,
                        aliases: dict[str, str], n: int, first_index: int) -> list[TokenStream]:
-    """The prompt's n streams: the first alone, the rest once its prefill is done (they hit its blocks)."""
-    first = await TokenStream.open(ctx, f"{request_id}-{first_index}", prompt, params, aliases)
+    """The prompt's n streams: the first alone; once its first token exists (its prompt's blocks are
+    cached) the rest follow it to its worker and find them there. Sent together, they would be
+    admitted in one step and each compute the prompt."""
+    lead = f"{request_id}-{first_index}"
+    first = await TokenStream.open(ctx, lead, prompt, params, aliases)
+    rest = [asyncio.ensure_future(TokenStream.open(ctx, f"{request_id}-{first_index + j}", prompt,
+                                                   choice_params(params, j), aliases, follow=lead))
+            for j in range(1, n)]
     try:
-        rest = await asyncio.gather(*(TokenStream.open(ctx, f"{request_id}-{first_index + j}", prompt,
-                                                       choice_params(params, j), aliases) for j in range(1, n)))
+        return [first, *await _all_or_none(rest)]
     except BaseException:
         await first.close()
         raise
-    return [first, *rest]
 
 
-async def open_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                       aliases: dict[str, str], n: int) -> list[TokenStream]:
-    """Every choice's stream, in index order; if any refuses, the opened ones are closed."""
-    opening = [asyncio.ensure_future(_open_prompt(ctx, request_id, p, params, aliases, n, i * n))
-               for i, p in enumerate(prompts)]
+async def _all_or_none(opening: list[asyncio.Future]) -> list[TokenStream]:
+    """Every stream `opening` yields; or, if one is refused (or we are cancelled), none: the ones
+    already opened are closed, which aborts them."""
     try:
-        groups = await asyncio.gather(*opening)
+        return list(await asyncio.gather(*opening))
     except BaseException:
         for task in opening:
             task.cancel()
         for result in await asyncio.gather(*opening, return_exceptions=True):
-            if isinstance(result, list):
-                for stream in result:
-                    await stream.close()
+            if isinstance(result, TokenStream):
+                await result.close()
         raise
-    return [stream for group in groups for stream in group]
+
+
+async def open_choices(ctx: ServingContext, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                       aliases: dict[str, str], n: int) -> list[TokenStream]:
+    """Every choice's stream, in index order (prompts open side by side); all or none."""
+    groups = [asyncio.ensure_future(_open_prompt(ctx, request_id, p, params, aliases, n, i * n))
+              for i, p in enumerate(prompts)]
+    try:
+        opened = await asyncio.gather(*groups)
+    except BaseException:
+        for task in groups:
+            task.cancel()
+        for result in await asyncio.gather(*groups, return_exceptions=True):
+            for stream in result if isinstance(result, list) else ():
+                await stream.close()
+        raise
+    return [stream for group in opened for stream in group]
 
 
 def total_usage(prompt_lens: list[int], outputs: list[list[RequestOutput]], n: int) -> Usage:

@@ -52,6 +52,7 @@ class _Progress:
     finished: bool = False
     cached_tokens_at_decode: int = 0  # the chosen decode worker's prefix hit, per its router
     kv_handle: dict[str, Any] | None = None  # from a remote prefill, for the next decode attempt
+    follow: str | None = None  # a request whose worker this one should share (the same prompt)
 
 
 class DistributedBackend:
@@ -106,8 +107,8 @@ class DistributedBackend:
                 for conn, reply in zip(conns, replies, strict=True)}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-        progress = _Progress(list(prompt_token_ids), params)
+                       deadline: float | None = None, follow: str | None = None) -> AsyncIterator[RequestOutput]:
+        progress = _Progress(list(prompt_token_ids), params, follow=follow)
         deadline = deadline or time.monotonic() + self.default_timeout_s
         excluded: set[str] = set()
         try:
@@ -147,6 +148,9 @@ class DistributedBackend:
             tokens = progress.prompt + progress.generated
             block_size, seed = self.pool.hashing()
             request = RoutingRequest(request_id, block_hashes(tokens, block_size, seed), len(tokens))
+            followed = self.pool.router.load.worker_of(progress.follow) if progress.follow else None
+            if followed in candidates and not progress.migrations:
+                candidates = [followed]  # the same prompt in flight there: the engine computes it once
             try:
                 decision = self.pool.router.select(request, candidates)
                 progress.cached_tokens_at_decode = decision.overlap_blocks * block_size

@@ -70,7 +70,8 @@ class LocalBackend:
         return self._started and self.engine.is_running()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+                       deadline: float | None = None, follow: str | None = None) -> AsyncIterator[RequestOutput]:
+        # `follow` needs no handling: one engine serves every request
         if self.max_in_flight is not None and self.in_flight >= self.max_in_flight:
             raise Overloaded(retry_after=1, message=f"{self.in_flight} requests in flight (limit "
                                                      f"{self.max_in_flight}); retry later")
