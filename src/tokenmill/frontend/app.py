@@ -29,6 +29,7 @@ from tokenmill.frontend.routes_admin import admin_router
 from tokenmill.frontend.hot_routes import HotRoutes
 from tokenmill.frontend.routes_chat import create_chat_completion
 from tokenmill.frontend.routes_completions import create_completion
+from tokenmill.frontend.routes_responses import create_response
 from tokenmill.frontend.schema import ModelCard, ModelList
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour:
     app.include_router(admin_router(ctx))
     _add_service_routes(app, ctx)
     hot = {"/v1/completions": partial(create_completion, ctx),
-           "/v1/chat/completions": partial(create_chat_completion, ctx)}
+           "/v1/chat/completions": partial(create_chat_completion, ctx),
+           "/v1/responses": partial(create_response, ctx)}
     return HotRoutes(app, hot, metrics.count_http_error, keys, AccessLog(access_log))
 
 
@@ -80,6 +82,13 @@ def _add_service_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def retrieve_model(model: str) -> JSONResponse:
         check_model(model, ctx.served_model_name)
         return JSONResponse(_model_card(ctx).model_dump(mode="json"))
+
+    @app.api_route("/v1/embeddings", methods=["POST"])
+    async def embeddings() -> Response:
+        # vLLM and Dynamo serve embeddings only from an embedding (pooling) model; say so, and what is served
+        raise APIError(404, f"/v1/embeddings is not served: `{ctx.served_model_name}` is a generative model, served "
+                            "at /v1/completions, /v1/chat/completions and /v1/responses; embeddings need a server "
+                            "running an embedding model", code="not_found")
 
     @app.get("/health")
     async def health() -> Response:
