@@ -15,7 +15,6 @@ worker itself, exactly as in aggregated serving.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -196,14 +195,13 @@ class DistributedBackend:
                 conn.send({"type": p.ABORT, "request_id": request_id})
 
     def _generate_message(self, request_id: str, progress: _Progress, deadline: float) -> dict:
-        remaining = dataclasses.replace(progress.params,
-                                        max_tokens=progress.params.max_tokens - len(progress.generated))
         handle, progress.kv_handle = progress.kv_handle, None  # one decode attempt may use it
         if handle is not None:
             self.prefill.handed_over(request_id)
-        return p.generate_message(request_id, progress.prompt + progress.generated, remaining, None,
+        return p.generate_message(request_id, progress.prompt + progress.generated, progress.params, None,
                                   len(progress.generated), max(0.0, deadline - time.monotonic()),
-                                  progress.text_pending, kv_handle=handle)
+                                  progress.text_pending, kv_handle=handle,
+                                  max_tokens=progress.params.max_tokens - len(progress.generated))
 
     def _note_migration(self, conn: WorkerConnection, progress: _Progress, excluded: set[str]) -> None:
         progress.migrations += 1

@@ -56,12 +56,24 @@ def unpack(frame: bytes) -> dict[str, Any]:
     return message
 
 
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def params_to_wire(params: SamplingParams, max_tokens: int | None = None) -> dict[str, Any]:
+    """The parameters as a map (their values are plain lists, maps and numbers: no deep copy, which
+    `dataclasses.asdict` would make on every request); `max_tokens` overrides (a migration's rest)."""
+    wire = {name: getattr(params, name) for name in _PARAM_FIELDS}
+    if max_tokens is not None:
+        wire["max_tokens"] = max_tokens
+    return wire
+
+
 def generate_message(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      extra_key: str | None, output_offset: int, timeout_s: float | None,
                      text_pending: int = 0, prefill_only: bool = False,
-                     kv_handle: dict[str, Any] | None = None) -> dict[str, Any]:
+                     kv_handle: dict[str, Any] | None = None, max_tokens: int | None = None) -> dict[str, Any]:
     return {"type": GENERATE, "request_id": request_id, "prompt_token_ids": list(prompt_token_ids),
-            "params": dataclasses.asdict(params), "extra_key": extra_key,
+            "params": params_to_wire(params, max_tokens), "extra_key": extra_key,
             "output_offset": output_offset, "text_pending": text_pending, "timeout_s": timeout_s,
             "prefill_only": prefill_only, "kv_handle": kv_handle}
 
