@@ -198,8 +198,8 @@ class FleetSim:
         if seq.prefill_only:
             self._handoff(replica, seq, record)
             return
-        if first:
-            self.routers[self.serving_role].on_first_token(seq.request_id)
+        if first:  # as the live frontend does with the first delta: the blocks the worker says it holds
+            self.routers[self.serving_role].on_progress(seq.request_id, seq.num_tokens, seq.cached_tokens)
         if seq.finished:
             self._request_done(seq.request_id)
 
@@ -275,6 +275,7 @@ class FleetSim:
             return
         replica.state = "up"
         self.routers[replica.role].add_worker(replica.worker_id)
+        self.routers[replica.role].report_capacity(replica.worker_id, self._blocks(replica.role))  # as heartbeats do
         pending, self.backlog = self.backlog, deque()
         for request in pending:
             self._route(request)
