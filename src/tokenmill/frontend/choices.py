@@ -28,7 +28,7 @@ from tokenmill.frontend.errors import SERVER_ERROR, APIError
 from tokenmill.frontend.generation import CancelOnDisconnect, ServingContext, TokenStream
 from tokenmill.frontend.schema import PromptTokensDetails, SamplingFields, Usage
 from tokenmill.frontend.streaming import (CLIENT_CLOSED_REQUEST, DONE_FRAME, ChunkWriter, SSEResponse, choice_frames,
-                                          chunk_frame)
+                                          chunk_frame, serve_generation, usage_options)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,15 @@ def total_usage(prompt_lens: list[int], outputs: list[list[RequestOutput]], n: i
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
+async def serve(ctx: ServingContext, request: Request, body: SamplingFields, prompts: list[list[int]],
+                params: SamplingParams, aliases: dict[str, str], n: int,
+                writer_for: Callable[[int], ChunkWriter]) -> Response | SSEResponse:
+    """What both generation routes answer with: one choice on the lean path, several here."""
+    if len(prompts) == 1 and n == 1:
+        return await serve_generation(ctx, request, body, prompts[0], params, aliases, writer_for(0))
+    return await serve_choices(ctx, request, body, prompts, params, aliases, n, writer_for)
+
+
 async def serve_choices(ctx: ServingContext, request: Request, body: SamplingFields, prompts: list[list[int]],
                         params: SamplingParams, aliases: dict[str, str], n: int,
                         writer_for: Callable[[int], ChunkWriter]) -> Response | SSEResponse:
@@ -101,9 +110,7 @@ async def serve_choices(ctx: ServingContext, request: Request, body: SamplingFie
     async with CancelOnDisconnect(request.receive) as guard:
         streams = await open_choices(ctx, writers[0].request_id, prompts, params, aliases, n)
         if body.stream:
-            options = body.stream_options
-            include_usage = bool(options and options.include_usage)
-            continuous = include_usage and bool(options and options.continuous_usage_stats)
+            include_usage, continuous = usage_options(body)
             lens = [len(p) for p in prompts]
             return SSEResponse(_interleaved(streams, writers, include_usage, continuous, lens, n))
         outputs = list(await asyncio.gather(*(stream.collect() for stream in streams)))

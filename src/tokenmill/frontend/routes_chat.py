@@ -14,14 +14,14 @@ from fastapi.responses import Response
 from tokenmill.engine.request import RequestOutput
 from tokenmill.engine.sampling import TokenLogprob
 from tokenmill.frontend.body import parse_body
-from tokenmill.frontend.choices import serve_choices
+from tokenmill.frontend.choices import serve
 from tokenmill.frontend.formatting import api_finish_reason, chat_logprobs, new_request_id
 from tokenmill.frontend.generation import ServingContext
 from tokenmill.frontend.request_args import (chat_limits, chat_prompt, check_context_length, check_request,
                                              prompt_chars, sampling_params, tokenized)
 from tokenmill.frontend.schema import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
                                        ChatCompletionResponse, Usage)
-from tokenmill.frontend.streaming import ChunkWriter, SSEResponse, serve_generation
+from tokenmill.frontend.streaming import ChunkWriter, SSEResponse
 
 
 class ChatChunks(ChunkWriter):
@@ -72,6 +72,4 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     def writer(index: int) -> ChatChunks:
         return ChatChunks(request_id, ctx.served_model_name, ctx.backend.tokenizer, logprobs is not None, index)
 
-    if n == 1:
-        return await serve_generation(ctx, request, body, prompt, params, aliases, writer(0))
-    return await serve_choices(ctx, request, body, [prompt], params, aliases, n, writer)
+    return await serve(ctx, request, body, [prompt], params, aliases, n, writer)

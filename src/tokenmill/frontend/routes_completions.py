@@ -9,13 +9,13 @@ from fastapi.responses import Response
 from tokenmill.engine.request import RequestOutput
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.body import parse_body
-from tokenmill.frontend.choices import serve_choices
+from tokenmill.frontend.choices import serve
 from tokenmill.frontend.formatting import CompletionLogprobsWriter, api_finish_reason, new_request_id
 from tokenmill.frontend.generation import ServingContext
 from tokenmill.frontend.request_args import (check_context_length, check_request, completion_limits,
                                              completion_prompts, prompt_chars, sampling_params, tokenized)
 from tokenmill.frontend.schema import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from tokenmill.frontend.streaming import ChunkWriter, SSEResponse, serve_generation
+from tokenmill.frontend.streaming import ChunkWriter, SSEResponse
 
 
 class CompletionChunks(ChunkWriter):
@@ -61,6 +61,4 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response |
         return CompletionChunks(request_id, ctx.served_model_name, ctx.backend.tokenizer, logprobs is not None,
                                 index)
 
-    if len(prompts) == 1 and n == 1:
-        return await serve_generation(ctx, request, body, prompts[0], params, {}, writer(0))
-    return await serve_choices(ctx, request, body, prompts, params, {}, n, writer)
+    return await serve(ctx, request, body, prompts, params, {}, n, writer)

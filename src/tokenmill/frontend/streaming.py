@@ -134,6 +134,13 @@ def _usage_so_far(out: RequestOutput, completion_tokens: int) -> dict[str, Any]:
     return usage_of(dataclasses.replace(out, num_output_tokens=completion_tokens)).model_dump()
 
 
+def usage_options(body: SamplingFields) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats), the latter only with the former (as vLLM has it)."""
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    return include_usage, include_usage and bool(options and options.continuous_usage_stats)
+
+
 class SSEResponse:
     """An ASGI response streaming `frames`; a client hang-up stops it and closes `frames`
     (which aborts the generation)."""
@@ -161,10 +168,7 @@ async def serve_generation(ctx: ServingContext, request: Request, body: Sampling
         tokens = await TokenStream.open(ctx, request_id, prompt, params, aliases)
         request.state.tokens = tokens  # for the access log
         if body.stream:
-            options = body.stream_options
-            include_usage = bool(options and options.include_usage)
-            continuous = include_usage and bool(options and options.continuous_usage_stats)
-            return SSEResponse(sse_events(tokens, writer, include_usage, continuous))
+            return SSEResponse(sse_events(tokens, writer, *usage_options(body)))
         outputs = await tokens.collect()
     if guard.gone or tokens is None:
         if tokens is None:  # an opened stream counts its own outcome ("disconnected")
