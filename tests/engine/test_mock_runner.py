@@ -127,3 +127,20 @@ def test_speedup_scales_the_wait_but_not_the_modelled_time(tiny_moe: Path) -> No
 def test_mock_speedup_must_be_positive(tiny_moe: Path, speedup: float) -> None:
     with pytest.raises(ValueError, match="mock_speedup"):
         EngineConfig(model=str(tiny_moe), runner="mock", mock_speedup=speedup)
+
+
+def test_mock_runner_honours_a_grammar(tiny_moe: Path) -> None:
+    """A mock fleet serving structured outputs must still answer with what the grammar allows."""
+    import json
+
+    import llguidance
+
+    schema = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+              "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "integer", "minimum": 0, "maximum": 50}}}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    engine = make_engine(tiny_moe, runner="mock", mock_sleep=False)
+    batch = prompts(engine, 4, seed=3)
+    outputs = engine.generate(batch, SamplingParams(max_tokens=40, grammar=grammar))
+    for tokens in outputs:
+        value = json.loads(engine.tokenizer.decode(tokens))
+        assert value["a"] in ("x", "y") and 0 <= value["b"] <= 50

@@ -154,9 +154,10 @@ def test_chat_delta_chunks(tokenizer: Tokenizer, text: str, finish: str | None, 
 
 def _chat_logprob(tokenizer: Tokenizer, lp: TokenLogprob) -> ChatTokenLogprob:
     text = _token(tokenizer, lp.token_id)
-    top = [TopLogprob(token=_token(tokenizer, tid), logprob=value, bytes=list(_token(tokenizer, tid).encode()))
+    top = [TopLogprob(token=_token(tokenizer, tid), logprob=value, bytes=list(tokenizer.token_bytes(tid)))
            for tid, value in lp.top]
-    return ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top)
+    return ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(tokenizer.token_bytes(lp.token_id)),
+                            top_logprobs=top)
 
 
 def test_chat_delta_with_logprobs(tokenizer: Tokenizer) -> None:

@@ -71,8 +71,11 @@ BAD_BODIES = [
     (CHAT, _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     (CHAT, _chat(top_logprobs=2), "top_logprobs"),
     (CHAT, _chat(logprobs=1), "logprobs"),
-    (CHAT, _chat(tools=[{"type": "function"}]), "tools"),
-    (CHAT, _chat(response_format={"type": "json_object"}), "response_format"),
+    (CHAT, _chat(tools=[{"type": "function"}]), "tools[0].function"),
+    (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes"), "tool_choice"),
+    (CHAT, _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 1}}}),
+     "response_format.json_schema.schema"),
+    (COMPLETIONS, _completion(response_format={"type": "yaml"}), "response_format.type"),
 ]
 
 

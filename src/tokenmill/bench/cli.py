@@ -31,6 +31,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "prefill/decode interference on small-moe: aggregated vs disaggregated TTFT, ITL p50/p99, output tok/s"),
     ("choices", "tokenmill.bench.choices_bench",
      "n=4 choices in one request vs 4 separate requests of the same prompt: output tok/s, prompt tokens computed"),
+    ("structured", "tokenmill.bench.structured_bench",
+     "json_schema decoding vs plain on small-moe: ms per output token, the grammar's overhead per token"),
     ("fleet-agreement", "tokenmill.bench.fleet_agreement",
      "the live mock fleet (--mock-profile) against the fleet simulator on the same trace slice"),
     ("fleet-sim", "tokenmill.bench.fleet_sim_bench",

@@ -29,15 +29,39 @@ CORPUS_PACKAGE = "tokenmill.engine.corpus"
 CORPUS_FILES: tuple[str, ...] = ("persuasion.txt",)
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte must stay representable
 
-# ChatML. Content may be a string, None (an assistant turn that only calls tools) or a list of
-# OpenAI-style parts, whose text parts are joined.
+# ChatML, with tools as Qwen 2.5 shows them: a system block listing them in <tools></tools>,
+# an assistant's calls as <tool_call> JSON, tool results as <tool_response> in a user turn.
+# Content may be a string, None (an assistant turn that only calls tools) or a list of
+# OpenAI-style parts, whose text parts are joined. Without tools the output is plain ChatML.
 CHAT_TEMPLATE = (
+    "{%- macro text(message) -%}"
+    "{%- if message['content'] is none -%}{{- '' -}}"
+    "{%- elif message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{{- message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') -}}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- text(messages[0]) + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{%- if message['content'] is none -%}{%- set content = '' -%}"
-    "{%- elif message['content'] is string -%}{%- set content = message['content'] -%}"
-    "{%- else -%}{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
-    " | map(attribute='text') | join('') -%}{%- endif -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + text(message) + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + text(message) -}}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{{- '\\n<tool_call>\\n{\\\"name\\\": \\\"' + call['function']['name'] + '\\\", \\\"arguments\\\": '"
+    " + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )

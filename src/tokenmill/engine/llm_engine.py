@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.guided import Grammars, advance
 from tokenmill.engine.kv_handoff import ImportPlan, KVHandoff
 from tokenmill.engine.mock_runner import MockRunner
 from tokenmill.engine.model_config import ModelConfig, load_model_config
@@ -71,6 +72,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(num_blocks)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer, eos, self.max_model_len)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, sorted(eos))
         self.runner: ModelRunner = self._make_runner(num_blocks, kv_allocator)
         self.handoff = KVHandoff(self.scheduler, self.kv)
         self.tiers = self._attach_tiers() if config.kv_tiers_enabled else None
@@ -161,6 +163,9 @@ class LLMEngine:
             raise ValueError("stop strings need the engine's tokenizer")
         request = Request(request_id, list(prompt_token_ids), params, extra_key, output_offset,
                           min(max(text_pending, 0), output_offset))
+        if params.grammar is not None:
+            replay = prompt_token_ids[len(prompt_token_ids) - output_offset:] if output_offset else ()
+            request.matcher = self.grammars.matcher(params.grammar, replay)
         self.requests[request_id] = request
         self.output.add(request)
         return request
@@ -238,6 +243,8 @@ class LLMEngine:
 
     def _finish_or_continue(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         stop = self.output.check_token_stop(request, token)
+        if request.matcher is not None and advance(request.matcher, token) and stop is None:
+            stop = (FINISH_STOP, None)  # the grammar is complete: nothing but EOS could follow
         text, matched = self.output.text_delta(request, [token], finished=stop is not None)
         if stop is None and matched is not None:
             stop = (FINISH_STOP, None)

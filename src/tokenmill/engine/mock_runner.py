@@ -15,13 +15,19 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import xxhash
 
+from tokenmill.engine.request import Request
 from tokenmill.engine.runner_protocol import Sampled
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.engine.step_work import StepClock, StepWork, work_of
 from tokenmill.kv.cache_manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from tokenmill.engine.guided import MaskComputer
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,6 +60,9 @@ class MockRunner:
             raise ValueError(f"mock_speedup must be a finite number > 0, got {speedup}")
         self.clock = clock
         self.token_space = [t for t in range(vocab_size) if t not in special_ids]  # never emits a special
+        self.vocab_size = vocab_size
+        self.special_ids = special_ids
+        self._masks: MaskComputer | None = None
         if not self.token_space:
             raise ValueError("mock runner needs at least one non-special token id")
         self.sleep = sleep
@@ -73,8 +82,25 @@ class MockRunner:
             self._wait(seconds / self.speedup, {s.request.request_id for s in out.seqs})
         elif self.defer_waits:
             self._pending_end = time.perf_counter()
-        return {s.request.request_id: (self._next_token(s.request.token_ids), None)
-                for s in out.seqs if s.samples}
+        return {s.request.request_id: (self._token_for(s.request), None) for s in out.seqs if s.samples}
+
+    def _token_for(self, request: Request) -> int:
+        if request.matcher is None:
+            return self._next_token(request.token_ids)
+        return self._allowed_token(request)
+
+    def _allowed_token(self, request: Request) -> int:
+        """A constrained request's token: the same hash, over the tokens its grammar allows now
+        (ordinary ones while there are any, so the mock writes text rather than stopping)."""
+        if self._masks is None:
+            from tokenmill.engine.guided import MaskComputer  # llguidance: only for structured outputs
+
+            self._masks = MaskComputer(self.vocab_size)
+        allowed = self._masks.compute([request.matcher])[0]
+        ordinary = allowed.copy()
+        ordinary[list(self.special_ids)] = False
+        choices = np.flatnonzero(ordinary if ordinary.any() else allowed)
+        return int(choices[self._hash(request.token_ids) % len(choices)])
 
     def take_step_end(self) -> float | None:
         """With `defer_waits`: the perf_counter instant the last step's tokens exist (None: no
@@ -100,6 +126,10 @@ class MockRunner:
             time.sleep(end - now)
 
     def _next_token(self, token_ids: list[int]) -> int:
+        return self.token_space[self._hash(token_ids) % len(self.token_space)]
+
+    @staticmethod
+    def _hash(token_ids: list[int]) -> int:
         # Depends on the last token and the position only: cheap, and identical on any worker.
         key = len(token_ids).to_bytes(4, "little") + token_ids[-1].to_bytes(4, "little")
-        return self.token_space[xxhash.xxh3_64_intdigest(key) % len(self.token_space)]
+        return xxhash.xxh3_64_intdigest(key)

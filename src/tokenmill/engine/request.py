@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.engine.sampling import SamplingParams, TokenLogprob
 
@@ -41,6 +42,7 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     admitted: bool = False
     prefill_only: bool = False  # stop after the first token and hold the KV (disaggregated prefill)
+    matcher: Any = None  # the grammar's matcher (llguidance) while a structured output is generated
 
     def __post_init__(self) -> None:
         if not self.token_ids:

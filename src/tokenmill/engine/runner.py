@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.engine import kernels
 from tokenmill.engine.attention import AttentionBatch, DecodeBatch, SeqSpan, allocate_kv_cache
+from tokenmill.engine.guided import MaskComputer
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.transformer import CausalLM
 from tokenmill.engine.runner_protocol import KVAllocator, Sampled
@@ -31,18 +32,28 @@ class TorchModelRunner:
             shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
             self.kv_cache = kv_allocator(shape, dtype)
         self.generator = torch.Generator().manual_seed(seed)
+        self.vocab_size = cfg.vocab_size
+        self.mask_computer: MaskComputer | None = None  # structured outputs' masks, beside the forward pass
         self.native_decode = dtype in (torch.float32, torch.bfloat16) and cfg.head_dim <= kernels.MAX_HEAD_DIM \
             and kernels.available()
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
         input_ids, positions, batch, logits_rows = self._prepare(out, kv)
-        logits = self.model(input_ids, positions, self.kv_cache, batch, logits_rows)
         sampling = [s for s in out.seqs if s.samples]
+        guided = [i for i, s in enumerate(sampling) if s.request.matcher is not None]
+        masks = self._masks().start([sampling[i].request.matcher for i in guided]) if guided else None
+        logits = self.model(input_ids, positions, self.kv_cache, batch, logits_rows)
         rows = [SampleRow(s.request.params, s.request.output_offset + len(s.request.output_token_ids),
                           s.request.output_token_ids, s.request.prompt_token_ids)
                 for s in sampling]
-        tokens, logprobs = sample(logits, rows, self.generator)
+        allowed = (guided, torch.from_numpy(masks.result())) if masks is not None else None
+        tokens, logprobs = sample(logits, rows, self.generator, allowed)
         return {s.request.request_id: (t, lp) for s, t, lp in zip(sampling, tokens, logprobs)}
+
+    def _masks(self) -> MaskComputer:
+        if self.mask_computer is None:
+            self.mask_computer = MaskComputer(self.vocab_size)
+        return self.mask_computer
 
     def _prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[
             torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:

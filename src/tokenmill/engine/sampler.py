@@ -13,18 +13,30 @@ import torch
 from tokenmill.engine.sampling import SampleRow, TokenLogprob
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator) -> tuple[
-        list[int], list[TokenLogprob | None]]:
-    """One token per row of fp32 `logits` [rows, vocab]."""
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator,
+           allowed: tuple[list[int], torch.Tensor] | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of fp32 `logits` [rows, vocab]. `allowed`: (row indices, [k, vocab] bool)
+    restricts those rows to the tokens their grammars allow. Logprobs are the model's (after
+    penalties), not renormalised over the allowed tokens."""
     if any(r.params.penalised for r in rows):
         logits = apply_penalties(logits, rows)
+    scores = logits
+    if allowed is not None:
+        logits = _restrict(logits, *allowed)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         idx = torch.tensor(random_rows)
         tokens[idx] = _sample_random(logits.index_select(0, idx), [rows[i] for i in random_rows], generator)
     token_list = tokens.tolist()
-    return token_list, _logprobs(logits, rows, token_list)
+    return token_list, _logprobs(scores, rows, token_list)
+
+
+def _restrict(logits: torch.Tensor, row_index: list[int], allowed: torch.Tensor) -> torch.Tensor:
+    logits = logits.clone()
+    rows_t = torch.tensor(row_index)
+    logits[rows_t] = logits.index_select(0, rows_t).masked_fill(~allowed[:, :logits.shape[1]], float("-inf"))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:

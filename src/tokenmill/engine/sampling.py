@@ -26,6 +26,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: minus this times how often the token was generated
     repetition_penalty: float = 1.0  # vLLM/HF: seen tokens' (prompt or output) logits divided (>0) or multiplied
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    grammar: str | None = None  # llguidance grammar the output must match (structured outputs, forced tools)
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -53,6 +54,8 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError("grammar must be a non-empty string")
 
     @property
     def penalised(self) -> bool:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tokenmill.engine.token_bytes import TokenBytes
+
 if TYPE_CHECKING:
     import tokenizers
 
@@ -225,6 +227,9 @@ class _RustBackend:
     def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def serialized(self) -> str:
+        return self._tok.to_str()
+
     def render_chat(self, messages: Any, add_generation_prompt: bool, **kwargs: Any) -> str:
         # Imported here: jinja2's sandbox costs ~30 ms, and mock workers never render a chat.
         from tokenmill.engine.chat_template import render_conversation
@@ -291,6 +296,7 @@ class Tokenizer:
         self.model_dir = Path(model_dir)
         self._backend = _load_backend(self.model_dir)
         self._hf: Any = None
+        self._token_bytes: TokenBytes | None = None
         self.eos_token_ids = frozenset(self._eos_ids())
         self.special_token_ids = self._backend.special_token_ids
 
@@ -318,6 +324,36 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes `token_id` stands for (part of a character, for some byte-level tokens)."""
+        if self._token_bytes is None:
+            try:
+                serialized = self.serialized()
+            except ValueError:  # a slow tokenizer: its decoded text is all there is
+                serialized = "{}"
+            self._token_bytes = TokenBytes(serialized, lambda t: self.decode([t], skip_special_tokens=False))
+        return self._token_bytes.of(token_id)
+
+    @property
+    def chat_template_text(self) -> str:
+        """The chat template's source (every named template, joined); "" without one."""
+        if isinstance(self._backend, _RustBackend):
+            templates = self._backend._templates
+        else:
+            templates = getattr(self._backend.hf, "chat_template", None)
+        if isinstance(templates, dict):
+            return "\n".join(templates.values())
+        return templates or ""
+
+    def serialized(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar engine builds its token trie from)."""
+        if isinstance(self._backend, _RustBackend):
+            return self._backend.serialized()
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"{self.model_dir}: a slow tokenizer cannot drive structured outputs")
+        return backend.to_str()
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> list[int]:

@@ -40,13 +40,14 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour: float | None = None,
                request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, manage_backend: bool = True,
-               keys: ApiKeys = ApiKeys(), access_log: bool = True) -> HotRoutes:
+               keys: ApiKeys = ApiKeys(), access_log: bool = True, tool_call_parser: str | None = None) -> HotRoutes:
     """The ASGI app. `request_timeout_s` is every request's deadline (None: none);
     `usd_per_worker_hour` enables the `tokenmill_cost_per_million_output_tokens_usd` gauge;
     `keys` guard the `/v1` and `/admin` routes (`auth.py`); `access_log` writes a line per
-    generation request (`access_log.py`)."""
+    generation request (`access_log.py`); `tool_call_parser` overrides the chat template's call format."""
     metrics = FrontendMetrics(backend.metrics_snapshot, usd_per_worker_hour)
-    ctx = ServingContext(backend, metrics, served_model_name, request_timeout_s, max_body_bytes, int(time.time()))
+    ctx = ServingContext(backend, metrics, served_model_name, request_timeout_s, max_body_bytes, int(time.time()),
+                         tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -26,7 +26,7 @@ SERVER_ERROR = "server_error"
 # The SamplingParams / engine field names a ValueError message starts with.
 _ENGINE_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
                             "logprobs", "prompt", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                            "logit_bias"})
+                            "logit_bias", "response_format"})
 # pydantic names union members in error locations ("str", "list[int]", "TextContentPart"); they
 # are not part of the client's field path.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|.*[\[\]-].*|[A-Z].*)$")

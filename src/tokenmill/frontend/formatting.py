@@ -58,10 +58,12 @@ class CompletionLogprobsWriter:
 
 
 def chat_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob]) -> ChatChoiceLogprobs:
+    """`bytes` are each token's own bytes: a token holding part of a character decodes to U+FFFD,
+    but its bytes joined with its neighbours' give the character back."""
     content = []
     for lp in logprobs:
-        text = token_text(tokenizer, lp.token_id)
-        top = [TopLogprob(token=(t := token_text(tokenizer, tid)), logprob=value, bytes=list(t.encode()))
+        top = [TopLogprob(token=token_text(tokenizer, tid), logprob=value, bytes=list(tokenizer.token_bytes(tid)))
                for tid, value in lp.top]
-        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+        content.append(ChatTokenLogprob(token=token_text(tokenizer, lp.token_id), logprob=lp.logprob,
+                                        bytes=list(tokenizer.token_bytes(lp.token_id)), top_logprobs=top))
     return ChatChoiceLogprobs(content=content)

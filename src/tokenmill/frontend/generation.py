@@ -32,6 +32,7 @@ class ServingContext:
     request_timeout_s: float | None
     max_body_bytes: int
     created: int
+    tool_call_parser: str | None = None  # hermes, llama3_json; None: read from the chat template
 
 
 def outcome(finish_reason: str | None) -> str:

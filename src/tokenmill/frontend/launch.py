@@ -35,6 +35,8 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TOKENMILL_API_KEY)")
     parser.add_argument("--admin-api-key", default=None,
                         help="the key /admin routes require (default: $TOKENMILL_ADMIN_API_KEY, else the API key)")
+    parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                        help="the format the model writes tool calls in (default: read from its chat template)")
     parser.add_argument("--no-access-log", action="store_true",
                         help="no INFO line per generation request (id, route, status, tokens, TTFT, total)")
     parser.add_argument("--reuse-port", action="store_true",
@@ -49,7 +51,8 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
             "--usd-per-worker-hour", str(args.usd_per_worker_hour), "--request-timeout-s", str(args.request_timeout_s),
             "--router", router_policy(args), "--router-temperature", str(args.router_temperature),
             "--disagg-threshold", str(args.disagg_threshold), "--prefill-queue-limit", str(args.prefill_queue_limit),
-            "--reuse-port", *(["--no-access-log"] if args.no_access_log else [])]
+            "--reuse-port", *(["--no-access-log"] if args.no_access_log else []),
+            *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])]
 
 
 def router_policy(args: argparse.Namespace) -> str:
@@ -97,7 +100,7 @@ async def run_http(args: argparse.Namespace, backend) -> None:
 
     app = create_app(backend, model_name(args), usd_per_worker_hour=args.usd_per_worker_hour or None,
                      request_timeout_s=args.request_timeout_s, keys=api_keys(args),
-                     access_log=not args.no_access_log)
+                     access_log=not args.no_access_log, tool_call_parser=args.tool_call_parser)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            http="httptools", access_log=False,
                                            timeout_graceful_shutdown=5))

@@ -1,7 +1,7 @@
 """From a validated request body to what the backend takes: prompt token ids and SamplingParams.
 
 Every refusal here is a 400 that names the request field, including fields OpenAI
-defines that tokenmill does not implement (n > 1, echo, tools):
+defines that tokenmill does not implement (best_of, echo, suffix):
 silently ignoring them would return something the client did not ask for.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ import jinja2
 from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.errors import APIError, from_value_error, invalid_param
+from tokenmill.frontend.structured import response_format_grammar
+from tokenmill.frontend.tools import ToolCalling, render_messages
 from tokenmill.frontend.schema import (ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields,
                                       TextContentPart)
 
@@ -49,17 +51,14 @@ def reject_unsupported(body: SamplingFields) -> None:
         unsupported += [("best_of", body.best_of not in (None, 1), "only best_of=1 is supported"),
                         ("echo", bool(body.echo), "echo is not supported"),
                         ("suffix", bool(body.suffix), "suffix is not supported")]
-    if isinstance(body, ChatCompletionRequest):
-        fmt = (body.response_format or {}).get("type", "text")
-        unsupported += [("tools", bool(body.tools), "tool calling is not supported"),
-                        ("response_format", fmt != "text", "only response_format type 'text' is supported")]
     for param, refused, message in unsupported:
         if refused:
             raise invalid_param(param, message)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
-                    aliases: dict[str, str]) -> SamplingParams:
+                    aliases: dict[str, str], grammar: str | None = None) -> SamplingParams:
+    """The engine's parameters; `grammar` (a forced tool call's) wins over `response_format`'s."""
     if body.temperature is not None and not 0.0 <= body.temperature <= MAX_TEMPERATURE:
         raise invalid_param("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g}, "
                                            f"got {body.temperature}")
@@ -77,6 +76,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=dict(body.logit_bias or {}),
+            grammar=grammar or response_format_grammar(body.response_format),
         )
     except ValueError as exc:
         raise from_value_error(exc, aliases) from exc
@@ -141,13 +141,14 @@ def check_room(prompt_len: int, max_tokens: int, max_model_len: int, param: str,
                                    f"{prompt_param} or {param}.", code="context_length_exceeded")
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, calling: ToolCalling | None = None) -> list[int]:
     for i, message in enumerate(body.messages):
         if message.role in ("system", "developer", "user") and message.content is None:
             raise invalid_param(f"messages[{i}].content", f"a {message.role} message must have content")
     messages = [_template_message(m.model_dump(exclude_none=True)) for m in body.messages]
+    messages, template_args = render_messages(messages, calling, tokenizer)
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_args)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         raise invalid_param("messages", f"messages cannot be rendered with the chat template: {exc}") from exc
 

@@ -44,6 +44,7 @@ class SamplingFields(_Request):
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None  # on /v1/completions too, as vLLM has it
 
 
 class CompletionRequest(SamplingFields):
@@ -63,6 +64,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -70,8 +73,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # checked entry by entry in tools.py, so errors name the entry
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 # -- responses ---------------------------------------------------------------------------
@@ -132,10 +136,22 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # [] without calls, as vLLM sends it
 
 
 class ChatChoice(BaseModel):
@@ -151,9 +167,14 @@ class ChatCompletionResponse(_Envelope):
     usage: Usage | None = None
 
 
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
