@@ -88,3 +88,26 @@ def test_eos_ends_generation_unless_ignored(tiny_dense: Path) -> None:
     assert engine.output.check_token_stop(request, tok[0]) == ("stop", None)
     ignoring = Request("r", [5], SamplingParams(max_tokens=10, ignore_eos=True))
     assert engine.output.check_token_stop(ignoring, tok[0]) is None
+
+
+def test_a_migrated_request_is_penalised_for_what_it_generated_before(tiny_dense) -> None:
+    """Continuing elsewhere (prompt + the first k outputs, output_offset=k) gives the same tokens:
+    the penalties count the k tokens generated before the move as well."""
+    engine = make_engine(tiny_dense)
+    prompt = prompts(engine, 1, seed=21)[0]
+    # token 42 wins while its count is low: after the move it must stay penalised for its count
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=1.0,
+                            presence_penalty=0.5, logit_bias={42: 30.0})
+    whole = engine.generate([prompt], params)[0]
+    k = 10
+    assert 2 <= whole[:k].count(42) < k  # the bias and the penalty both bite before the move
+    engine.add_request("moved", prompt + whole[:k], SamplingParams(**{**_fields(params), "max_tokens": 24 - k}),
+                       output_offset=k)
+    rest: list[int] = []
+    while engine.has_unfinished():
+        rest += [t for out in engine.step() for t in out.new_token_ids]
+    assert rest == whole[k:]
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}

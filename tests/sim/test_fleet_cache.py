@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.kv.block_pool import BlockPool, KVBlock
@@ -84,6 +84,8 @@ op = st.tuples(st.sampled_from(["admit", "compute", "free"]), st.integers(0, 5),
 
 @settings(max_examples=150, deadline=None)
 @given(num_blocks=st.integers(4, 24), ops=st.lists(op, max_size=60))
+# found by CI: freeing a sequence whose cached block another one still holds freed nothing of it
+@example(num_blocks=4, ops=[("admit", 0, [1], 4), ("compute", 0, [], 1), ("admit", 1, [1], 5), ("free", 0, [], 1)])
 def test_random_operations_match_the_engines_block_pool(num_blocks: int, ops: list) -> None:
     sim_events, ref_events = [], []
     e1, e2 = KVEventEmitter("w"), KVEventEmitter("w")

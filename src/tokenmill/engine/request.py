@@ -60,6 +60,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def all_output_token_ids(self) -> list[int]:
+        """Every token generated for this request, those generated elsewhere before it came here (a
+        migrated or imported request's, the tail of its prompt) included: what penalties count."""
+        if not self.output_offset:
+            return self.output_token_ids
+        return self.prompt_token_ids[len(self.prompt_token_ids) - self.output_offset:] + self.output_token_ids
+
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)

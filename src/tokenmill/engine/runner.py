@@ -44,7 +44,8 @@ class TorchModelRunner:
         masks = self._masks().start([sampling[i].request.matcher for i in guided]) if guided else None
         logits = self.model(input_ids, positions, self.kv_cache, batch, logits_rows)
         rows = [SampleRow(s.request.params, s.request.output_offset + len(s.request.output_token_ids),
-                          s.request.output_token_ids, s.request.prompt_token_ids)
+                          s.request.all_output_token_ids if s.request.params.penalised else (),
+                          s.request.prompt_token_ids)
                 for s in sampling]
         allowed = (guided, torch.from_numpy(masks.result())) if masks is not None else None
         tokens, logprobs = sample(logits, rows, self.generator, allowed)

@@ -146,19 +146,22 @@ class SimKV:
     def free(self, seq: SeqBlocks) -> None:
         """Release every block of the sequence, tail first (children queue before parents)."""
         anonymous = 0  # consecutive hash-less blocks, queued as one run
+        freed = 0  # a block another sequence still references stays taken
         for block_hash in reversed(seq.blocks):
             if block_hash is None:
                 anonymous += 1
                 continue
             if anonymous:
                 self._free_anonymous(anonymous)
-                anonymous = 0
+                freed, anonymous = freed + anonymous, 0
             self._refs[block_hash] -= 1
             if self._refs[block_hash] == 0:
                 self._free[block_hash] = None
+                freed += 1
         if anonymous:
             self._free_anonymous(anonymous)
-        self.num_free_blocks += len(seq.blocks)
+            freed += anonymous
+        self.num_free_blocks += freed
         seq.blocks = []
         seq.num_cached_blocks = 0
 
