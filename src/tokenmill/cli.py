@@ -22,6 +22,7 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("frontend", "tokenmill.frontend.frontend_cli", "run the HTTP frontend alone, finding workers via discovery"),
     ("bench", "tokenmill.bench.cli", "benchmarks that print a table and write JSON"),
     ("sim", "tokenmill.sim.cli", "performance simulator and deployment search"),
+    ("planner", "tokenmill.planner.cli", "SLA planner: backtest predictors, simulate, run against a deployment"),
 )
 
 

@@ -48,6 +48,11 @@ def _check_complete_and_exact(report: dict[str, Any]) -> None:
     assert results["output_tokens"] == report["workload"]["output_tokens"]
     for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         dist = results[name]
+        if dist is None and name == "itl_ms":
+            # a fast runner on a busy host: every stream's tokens arrived in one merged event, so
+            # there is no gap to measure (the frontend merges token frames that wait together)
+            assert all(not row["itl_s"] for row in requests)
+            continue
         assert dist["p50"] <= dist["p90"] <= dist["p99"] <= dist["max"], name
 
 

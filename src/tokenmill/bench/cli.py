@@ -33,6 +33,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "n=4 choices in one request vs 4 separate requests of the same prompt: output tok/s, prompt tokens computed"),
     ("structured", "tokenmill.bench.structured_bench",
      "json_schema decoding vs plain on small-moe: ms per output token, the grammar's overhead per token"),
+    ("planner", "tokenmill.bench.planner_bench",
+     "the SLA planner in the fleet simulator: attainment and GPU-hours against static peak and an oracle"),
     ("fleet-agreement", "tokenmill.bench.fleet_agreement",
      "the live mock fleet (--mock-profile) against the fleet simulator on the same trace slice"),
     ("fleet-sim", "tokenmill.bench.fleet_sim_bench",

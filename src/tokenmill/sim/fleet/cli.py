@@ -27,7 +27,11 @@ PROGRESS_MIN_REQUESTS = 20_000  # below this a run takes about a second: no bar
 
 
 def add_arguments(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("fleet", help="replay a trace over a simulated fleet (discrete-event)")
+    add_fleet_arguments(sub.add_parser("fleet", help="replay a trace over a simulated fleet (discrete-event)"))
+
+
+def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
+    """The load, fleet and target flags (`tokenmill planner simulate` takes the same)."""
     load = p.add_argument_group("load")
     load.add_argument("--trace", default=None, help="Mooncake JSONL or Azure 2023 CSV")
     load.add_argument("--synthetic", choices=("poisson", "gamma", "day"), default=None,

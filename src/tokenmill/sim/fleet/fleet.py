@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ARRIVE, STEP, PULLED, UP, CHANGE = range(5)
+ARRIVE, STEP, PULLED, UP, CHANGE, TICK = range(6)
 
 
 def _blocks_of(request: TraceRequest) -> SeqBlocks:
@@ -77,10 +77,22 @@ class FleetSim:
         self.finished = 0
         self.events_processed = 0
         self.progress: Callable[[int], None] | None = None  # called with requests finished so far
+        self.arrived: list[RequestRecord] = []  # in arrival order (a controller reads the new ones)
+        self.completed: list[RequestRecord] = []  # in completion order
+        self._controller: Callable[[FleetSim], None] | None = None
+        self._tick_s: float | None = None
 
     # ---- the loop -----------------------------------------------------------------------------
 
-    def run(self, requests: Sequence[TraceRequest]) -> None:
+    def run(self, requests: Sequence[TraceRequest], controller: Callable[[FleetSim], None] | None = None,
+            tick_s: float | None = None) -> None:
+        """Replay `requests`. With a `controller` (the planner's simulated connector), it is called
+        every `tick_s` of simulated time while anything remains to happen, and may `apply` changes."""
+        if controller is not None and not (tick_s and tick_s > 0):
+            raise ValueError("a controller needs tick_s > 0")
+        self._controller, self._tick_s = controller, tick_s
+        if controller is not None:
+            self._push(tick_s, TICK, None)  # type: ignore[arg-type]
         for role in ("agg", "prefill", "decode"):
             for _ in range(getattr(self.config, role)):
                 self._add_replica(role, ready_at=0.0)
@@ -90,7 +102,7 @@ class FleetSim:
         for change in sorted(self.config.changes, key=lambda c: c.at_s):
             self._push(change.at_s, CHANGE, change)
         handlers = {ARRIVE: self._on_arrival, STEP: self._on_step, PULLED: self._on_pulled,
-                    UP: self._on_up, CHANGE: self._on_change}
+                    UP: self._on_up, CHANGE: self._on_change, TICK: self._on_tick}
         while self._heap:
             t, _, kind, payload = heapq.heappop(self._heap)
             self.events_processed += 1
@@ -102,6 +114,16 @@ class FleetSim:
             if not record.finished and not record.rejected:
                 record.rejected = "never finished (no replica served it)"
 
+    def _on_tick(self, _: object) -> None:
+        self._controller(self)  # type: ignore[misc]
+        if self._heap:  # something remains to happen: keep watching
+            self._push(self.now + self._tick_s, TICK, None)  # type: ignore[operator]
+
+    def apply(self, change: FleetChange) -> ChangeRecord:
+        """Add, remove or re-role replicas now (a controller's action); the record says what happened."""
+        self._on_change(change)
+        return self.change_log[-1]
+
     def _push(self, t: float, kind: int, payload: object) -> None:
         heapq.heappush(self._heap, (t, next(self._order), kind, payload))
 
@@ -111,6 +133,7 @@ class FleetSim:
         self._arrivals_in_interval += 1
         record = RequestRecord(request.request_id, request.arrival_s, request.input_tokens, request.output_tokens)
         self.records[request.request_id] = record
+        self.arrived.append(record)
         serving_role = self.serving_role
         need = request.input_tokens + request.output_tokens
         if need > self._capacity_tokens[serving_role]:
@@ -205,6 +228,7 @@ class FleetSim:
 
     def _request_done(self, request_id: str) -> None:
         self.routers[self.serving_role].on_finished(request_id)
+        self.completed.append(self.records[request_id])
         self.finished += 1
         if self.progress is not None:
             self.progress(self.finished)
@@ -273,7 +297,7 @@ class FleetSim:
     def _on_up(self, replica: Replica) -> None:
         if replica.state != "starting":
             return
-        replica.state = "up"
+        replica.state, replica.up_s = "up", self.now
         self.routers[replica.role].add_worker(replica.worker_id)
         self.routers[replica.role].report_capacity(replica.worker_id, self._blocks(replica.role))  # as heartbeats do
         pending, self.backlog = self.backlog, deque()

@@ -63,6 +63,7 @@ class Replica:
         self.state = "starting"
         self.created_s = created_s
         self.gone_s: float | None = None
+        self.up_s: float | None = None  # when it started serving
         self.run: Run | None = None
         self.version = 0  # bumps whenever the pending step-end event is replaced
         self.busy_s = 0.0

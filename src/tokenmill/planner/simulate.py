@@ -1,0 +1,200 @@
+"""`tokenmill planner simulate`: the planner sizing a simulated fleet over a trace, with baselines.
+
+    tokenmill planner simulate --trace azure-conv --rate-scale 8 --model llama-3.1-70b --gpu h100 \\
+        --agg 2 --layout tp4 --ttft-ms 1000 --itl-ms 50 --json out.json --plot out.png
+
+The fleet starts as given (`--agg N` or `--prefill P --decode D`) and the planner resizes it every
+`--planner-interval-s`. Beside it, two baselines on the same trace:
+- static peak: the smallest fixed fleet (the planner's peak prefill:decode ratio kept) whose SLA
+  attainment over the whole trace reaches the planner's, found by bisection in the simulator;
+- oracle: the same planner told the true load of the coming intervals (up to one start-up
+  delay ahead) instead of a forecast, and scaling down at once: what knowing the future buys.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.planner.decision import Decision
+from tokenmill.planner.planner import Forecaster
+from tokenmill.planner.setup import add_planner_arguments, limits_from, make_forecaster, make_planner
+from tokenmill.planner.simulated import SimulatedDeployment
+from tokenmill.sim.fleet.arrivals import TraceRequest
+from tokenmill.sim.fleet.config import FleetConfig
+from tokenmill.sim.fleet.fleet import FleetSim
+from tokenmill.sim.fleet.report import FleetResult, summarize
+
+SCHEMA = "tokenmill.planner.simulate/1"
+MAX_STATIC_REPLICAS = 4096
+
+
+@dataclass(slots=True)
+class PlannedRun:
+    result: FleetResult
+    decisions: list[Decision] = field(default_factory=list)
+
+    @property
+    def attainment(self) -> float:
+        return float(self.result.totals["sla_attainment"])  # type: ignore[arg-type]
+
+    @property
+    def gpu_hours(self) -> float:
+        return float(self.result.totals["gpu_hours"])  # type: ignore[arg-type]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.sim.fleet.cli import add_fleet_arguments
+
+    add_fleet_arguments(parser)
+    add_planner_arguments(parser)
+    parser.add_argument("--no-baselines", action="store_true", help="skip the static-peak and oracle runs")
+
+
+def initial_config(args: argparse.Namespace) -> FleetConfig:
+    from tokenmill.sim.fleet.cli import build_config
+
+    if not (args.agg or args.prefill or args.decode):
+        args.agg = max(args.min_agg, 1)
+    if (args.prefill or args.decode) and not (args.prefill and args.decode):
+        raise ValueError("--prefill/--decode: a planned disaggregated fleet starts with both pools")
+    if args.change:
+        raise ValueError("--change: the planner makes the fleet's changes")
+    return build_config(args)
+
+
+def run_planned(config: FleetConfig, requests: list[TraceRequest], args: argparse.Namespace,
+                forecaster: Forecaster | None = None, oracle: bool = False) -> PlannedRun:
+    limits = limits_from(args)
+    if oracle:  # knowing the future, nothing to wait for before scaling down
+        limits = dataclasses.replace(limits, scale_down_intervals=1, max_step=MAX_STATIC_REPLICAS)
+    planner = make_planner(config.profiles, config.disaggregated, args.planner_mode,
+                           forecaster or make_forecaster(args.predictor), limits, config.sla.ttft_s,
+                           config.sla.itl_s, config.max_num_seqs, config.max_num_batched_tokens,
+                           _kv_tokens(config))
+    deployment = SimulatedDeployment(planner, args.planner_interval_s, args.warmup_s)
+    sim = FleetSim(config)
+    sim.run(requests, controller=deployment.tick, tick_s=args.planner_interval_s)
+    return PlannedRun(summarize(sim), deployment.decisions)
+
+
+def _kv_tokens(config: FleetConfig) -> dict[str, int] | None:
+    if config.kv_blocks is None:
+        return None
+    return {role: config.kv_blocks * config.block_size for role in ("agg", "prefill", "decode")}
+
+
+class OracleForecaster:
+    """The true load instead of a forecast: the busiest interval within one start-up delay ahead
+    (a replica asked for now serves only then), with that interval's mean ISL and OSL."""
+
+    def __init__(self, requests: list[TraceRequest], interval_s: float, lookahead_s: float) -> None:
+        self.interval_s = interval_s
+        self.ahead = max(1, math.ceil(lookahead_s / interval_s) + 1)
+        self.buckets: dict[int, list[TraceRequest]] = {}
+        for r in requests:
+            self.buckets.setdefault(int(r.arrival_s // interval_s), []).append(r)
+        self.index = 0
+
+    def observe(self, requests: float, isl: float | None, osl: float | None) -> None:
+        self.index += 1
+
+    def predict(self) -> Any:
+        from tokenmill.planner.predict import LoadForecast
+
+        window = [self.buckets.get(self.index + k, []) for k in range(self.ahead)]
+        busiest = max(window, key=len)
+        if not busiest:
+            return LoadForecast(0.0, 1.0, 1.0, "oracle")
+        isl = sum(r.input_tokens for r in busiest) / len(busiest)
+        osl = sum(r.output_tokens for r in busiest) / len(busiest)
+        return LoadForecast(float(len(busiest)), isl, osl, "oracle")
+
+
+def static_peak(config: FleetConfig, requests: list[TraceRequest], attainment: float,
+                ratio: float | None) -> tuple[FleetConfig, FleetResult]:
+    """The smallest fixed fleet reaching `attainment` (bisection on the decode or agg count; the
+    prefill pool kept at `ratio` × decode, rounded up)."""
+    def sized(n: int) -> FleetConfig:
+        if config.disaggregated:
+            return dataclasses.replace(config, prefill=max(1, math.ceil(n * (ratio or 1.0))), decode=n, changes=())
+        return dataclasses.replace(config, agg=n, changes=())
+
+    def run(n: int) -> FleetResult:
+        sim = FleetSim(sized(n))
+        sim.run(requests)
+        return summarize(sim)
+
+    low, high, best = 0, 1, None
+    while True:  # double until it is enough
+        best = run(high)
+        if float(best.totals["sla_attainment"]) >= attainment or high >= MAX_STATIC_REPLICAS:  # type: ignore[arg-type]
+            break
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        result = run(mid)
+        if float(result.totals["sla_attainment"]) >= attainment:  # type: ignore[arg-type]
+            high, best = mid, result
+        else:
+            low = mid
+    return sized(high), best
+
+
+def peak_ratio(decisions: list[Decision]) -> float | None:
+    """prefill ÷ decode at the planner's largest decode pool."""
+    pools = [d.target for d in decisions if d.target.get("decode")]
+    if not pools:
+        return None
+    top = max(pools, key=lambda t: (t["decode"], t.get("prefill", 0)))
+    return top.get("prefill", 1) / top["decode"]
+
+
+def simulate(args: argparse.Namespace) -> dict[str, Any]:
+    """The planned run and (unless --no-baselines) both baselines, as the report's JSON."""
+    from tokenmill.sim.fleet.cli import load_requests
+
+    config = initial_config(args)
+    requests = load_requests(args)
+    planned = run_planned(config, requests, args)
+    report: dict[str, Any] = {"schema": SCHEMA, "mode": args.planner_mode, "predictor": args.predictor,
+                              "planned": summary(planned), "decisions": [d.to_json() for d in planned.decisions]}
+    if not args.no_baselines:
+        oracle = run_planned(config, requests, args, OracleForecaster(requests, args.planner_interval_s,
+                                                                      config.replica_startup_s), oracle=True)
+        static_config, static = static_peak(config, requests, planned.attainment, peak_ratio(planned.decisions))
+        report["oracle"] = summary(oracle)
+        report["static_peak"] = {**_totals(static), "fleet": {r: getattr(static_config, r)
+                                                              for r in ("agg", "prefill", "decode")}}
+        report["gpu_hours_vs_oracle"] = planned.gpu_hours / max(oracle.gpu_hours, 1e-9)
+        report["gpu_hours_vs_static"] = planned.gpu_hours / max(float(static.totals["gpu_hours"]), 1e-9)  # type: ignore[arg-type]
+    return report
+
+
+def summary(run: PlannedRun) -> dict[str, Any]:
+    changes = sum(1 for d in run.decisions if d.actions)
+    peak = max((sum(d.target.values()) for d in run.decisions), default=0)
+    return {**_totals(run.result), "decisions": len(run.decisions), "decisions_with_changes": changes,
+            "peak_replicas": peak, "intervals": run.result.intervals}
+
+
+def _totals(result: FleetResult) -> dict[str, Any]:
+    keys = ("requests", "finished", "rejected", "sla_attainment", "gpu_hours", "peak_gpus", "ttft_s_p50",
+            "ttft_s_p90", "ttft_s_p99", "itl_mean_s_p50", "itl_mean_s_p90", "itl_mean_s_p99", "cost_usd",
+            "usd_per_million_output_tokens", "goodput_requests_per_s")
+    return {k: result.totals.get(k) for k in keys}
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenmill.planner.simulate_report import print_report, write_outputs
+
+    try:
+        report = simulate(args)
+        write_outputs(report, args)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    print_report(report)
+    return 0

@@ -1,0 +1,89 @@
+"""The simulated connector: the planner driving the fleet simulator under its virtual clock.
+
+Every interval the simulator calls `SimulatedDeployment.tick`: it builds the interval's
+`Observation` from the simulator's records (arrivals counted as admitted demand; latencies of
+the requests that got their first token, or finished, in the interval; queue and KV from the
+replicas), hands it to the planner, and applies the decision's actions as fleet changes
+(started replicas serve after the fleet's start-up delay; removed ones drain). The planner
+code is the one a live deployment runs.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenmill.planner.decision import Decision
+from tokenmill.planner.observation import DRAINING, SERVING, STARTING, Observation
+from tokenmill.planner.planner import Planner
+from tokenmill.sim.fleet.config import FleetChange
+from tokenmill.sim.fleet.fleet import FleetSim
+from tokenmill.sim.fleet.records import RequestRecord
+
+_STATES = {"up": SERVING, "starting": STARTING, "draining": DRAINING}
+
+
+@dataclass(slots=True)
+class SimulatedDeployment:
+    planner: Planner
+    interval_s: float
+    warmup_s: float = 60.0  # a replica's latency counts for the correction once it served this long
+    decisions: list[Decision] = field(default_factory=list)
+    _arrived: int = 0
+    _completed: int = 0
+    _waiting: list[RequestRecord] = field(default_factory=list)  # arrived, no first token yet
+
+    def tick(self, sim: FleetSim) -> None:
+        decision = self.planner.step(self.observe(sim))
+        self.decisions.append(decision)
+        for action in decision.actions:
+            if action.delta > 0:
+                sim.apply(FleetChange(sim.now, "add", action.role, action.delta))
+            else:
+                sim.apply(FleetChange(sim.now, "remove", action.role, -action.delta))
+
+    def observe(self, sim: FleetSim) -> Observation:
+        arrived = sim.arrived[self._arrived:]
+        completed = sim.completed[self._completed:]
+        self._arrived, self._completed = len(sim.arrived), len(sim.completed)
+        waiting = self._waiting + arrived
+        started = [r for r in waiting if r.first_token_s is not None]
+        self._waiting = [r for r in waiting if r.first_token_s is None and not r.rejected]
+        obs = Observation(at_s=sim.now, interval_s=self.interval_s, requests=len(arrived))
+        if arrived:
+            obs.mean_isl = float(np.mean([r.input_tokens for r in arrived]))
+            obs.mean_osl = float(np.mean([r.output_tokens for r in arrived]))
+        self._latencies(obs, started, completed)
+        self._replicas(obs, sim)
+        return obs
+
+    def _latencies(self, obs: Observation, started: list[RequestRecord], completed: list[RequestRecord]) -> None:
+        ttft = [r.ttft_s for r in started if r.ttft_s is not None]
+        if ttft:
+            obs.ttft_p50_s, obs.ttft_p90_s = (float(v) for v in np.percentile(ttft, [50, 90]))
+            prompt = sum(r.input_tokens for r in started)
+            obs.hit_fraction = sum(r.cached_tokens for r in started) / prompt if prompt else 0.0
+        itl = [r.itl_mean_s for r in completed if r.itl_mean_s is not None]
+        if itl:
+            obs.itl_p50_s, obs.itl_p90_s = (float(v) for v in np.percentile(itl, [50, 90]))
+
+    def _replicas(self, obs: Observation, sim: FleetSim) -> None:
+        states: dict[str, Counter[str]] = {}
+        warm: Counter[str] = Counter()
+        kv: list[float] = []
+        waiting = len(sim.backlog)
+        for replica in sim.replicas.values():
+            state = _STATES.get(replica.state)
+            if state is None:
+                continue
+            states.setdefault(replica.role, Counter())[state] += 1
+            waiting += len(replica.worker.waiting)
+            if state == SERVING and replica.up_s is not None and sim.now - replica.up_s >= self.warmup_s:
+                warm[replica.role] += 1
+            if state == SERVING and replica.role == sim.serving_role:
+                kv.append(replica.worker.kv.usage())
+        obs.replicas = {role: dict(counts) for role, counts in states.items()}
+        obs.warm_replicas = dict(warm)
+        obs.queue_depth = waiting
+        obs.decode_kv_usage = float(np.mean(kv)) if kv else None

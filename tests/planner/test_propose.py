@@ -1,0 +1,109 @@
+"""Proposal arithmetic: hand-computed replica counts, rate matching with the real step-time model,
+the reactive signals, and the observed/expected correction (bounded, warm replicas only)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from tokenmill.planner.observation import SERVING, Observation
+from tokenmill.planner.perf_model import Capacity, ReplicaModel
+from tokenmill.planner.propose import MAX_CORRECTION, Proposer
+from tokenmill.sim.fleet.clock import StepClock
+
+
+@dataclass
+class Load:
+    requests: float
+    isl: float
+    osl: float
+
+
+class FixedModel:
+    """A replica with known capacities: 10,000 prompt tok/s at the TTFT target, 2,000 output tok/s."""
+    ttft_s, itl_s, gpus = 1.0, 0.05, 4
+
+    def capacity(self, isl: float, osl: float, hit_fraction: float = 0.0) -> Capacity:
+        return Capacity(10_000.0, 12_000.0, 0.2, 0.8, 2_000.0, 64, 0.032, True, True)
+
+    def expected_ttft(self, isl: float, hit: float, utilisation: float) -> float:
+        return 0.2
+
+    def step_at_throughput(self, tokens_per_s: float, context: float) -> float:
+        return 0.032
+
+
+def _obs(**fields) -> Observation:
+    return Observation(at_s=30.0, interval_s=30.0, **fields)
+
+
+def test_disaggregated_counts_by_hand() -> None:
+    proposer = Proposer({"prefill": FixedModel(), "decode": FixedModel()}, disaggregated=True)  # type: ignore[dict-item]
+    # 300 requests in 30 s = 10 req/s; 10 x 4,000 x (1 - 0.25) = 30,000 tok/s -> 3 prefill;
+    # 10 x 500 = 5,000 output tok/s -> 2.5 -> 3 decode
+    proposal = proposer.propose(Load(300, 4000, 500), _obs(hit_fraction=0.25))
+    assert proposal.replicas == {"prefill": 3, "decode": 3}
+    assert proposal.inputs["prefill_need"] == pytest.approx(3.0)
+    assert proposal.inputs["decode_need"] == pytest.approx(2.5)
+    assert any(r.startswith("prefill: 10.00 req/s") for r in proposal.reasons)
+
+
+def test_aggregated_replicas_split_their_time() -> None:
+    proposer = Proposer({"agg": FixedModel()}, disaggregated=False)  # type: ignore[dict-item]
+    # prefill share 10 x 1,000 / 10,000 = 1.0, decode share 10 x 300 / 2,000 = 1.5 -> 2.5 -> 3
+    assert proposer.propose(Load(300, 1000, 300), _obs()).replicas == {"agg": 3}
+    assert proposer.propose(Load(0, 1000, 300), _obs()).replicas == {"agg": 0}  # zero traffic
+
+
+def test_rate_matching_long_prompts_raise_the_prefill_share() -> None:
+    clock = StepClock.from_text("llama-3.1-70b@h100:fp8:tp4")
+    model = ReplicaModel(clock, ttft_s=1.0, itl_s=0.05)
+    proposer = Proposer({"prefill": model, "decode": model}, disaggregated=True)
+    short = proposer.predictive(Load(600, 500, 300), _obs()).inputs
+    long = proposer.predictive(Load(600, 8000, 300), _obs()).inputs
+    assert long["prefill_need"] / long["decode_need"] > 4 * short["prefill_need"] / short["decode_need"]
+
+
+def test_the_model_sizes_decode_batches_by_itl_and_kv() -> None:
+    clock = StepClock.from_text("llama-3.1-70b@h100:fp8:tp4")
+    roomy, tight = ReplicaModel(clock, 1.0, 0.05), ReplicaModel(clock, 1.0, 0.05, kv_tokens=64_000)
+    cap = roomy.capacity(2000, 200)
+    assert roomy.decode_step_seconds(cap.decode_batch, 2100) <= 0.05
+    assert cap.decode_batch == 256 or roomy.decode_step_seconds(cap.decode_batch + 1, 2100) > 0.05
+    small = tight.capacity(2000, 200)
+    assert small.decode_batch == math.floor(64_000 * 0.9 / 2100)  # the KV cache binds first
+    assert cap.prefill_tokens_per_s < cap.prefill_peak_tokens_per_s  # TTFT headroom is kept
+    assert not ReplicaModel(clock, 0.01, 0.05).capacity(8000, 100).ttft_feasible
+
+
+def test_load_mode_signals() -> None:
+    proposer = Proposer({"prefill": FixedModel(), "decode": FixedModel()}, disaggregated=True, mode="load")  # type: ignore[dict-item]
+    replicas = {"prefill": {SERVING: 2}, "decode": {SERVING: 3}}
+    hot = proposer.propose(Load(0, 0, 0), _obs(replicas=replicas, ttft_p90_s=1.5, decode_kv_usage=0.91))
+    assert hot.replicas == {"prefill": 3, "decode": 4}
+    assert any("decode KV 91% > 85%" in r for r in hot.reasons)
+    quiet = proposer.propose(Load(0, 0, 0), _obs(replicas=replicas, ttft_p90_s=0.1, itl_p90_s=0.01,
+                                                decode_kv_usage=0.1, queue_depth=0))
+    assert quiet.replicas == {"prefill": 1, "decode": 2}
+
+
+def test_hybrid_takes_the_signals_above_the_forecast() -> None:
+    proposer = Proposer({"prefill": FixedModel(), "decode": FixedModel()}, disaggregated=True, mode="hybrid")  # type: ignore[dict-item]
+    obs = _obs(replicas={"prefill": {SERVING: 3}, "decode": {SERVING: 3}}, decode_kv_usage=0.95, hit_fraction=0.25)
+    assert proposer.propose(Load(300, 4000, 500), obs).replicas == {"prefill": 3, "decode": 4}
+
+
+def test_corrections_are_bounded_and_need_warm_replicas() -> None:
+    proposer = Proposer({"prefill": FixedModel(), "decode": FixedModel()}, disaggregated=True)  # type: ignore[dict-item]
+    replicas = {"prefill": {SERVING: 3}, "decode": {SERVING: 3}}
+    cold = _obs(requests=300, mean_isl=4000, mean_osl=500, ttft_p50_s=2.0, itl_p50_s=0.2, replicas=replicas)
+    proposer.propose(Load(300, 4000, 500), cold)
+    assert proposer.corrections.of("prefill") == 1.0  # no warm replica: no correction
+    warm = _obs(requests=300, mean_isl=4000, mean_osl=500, ttft_p50_s=2.0, itl_p50_s=0.2, replicas=replicas,
+                warm_replicas={"prefill": 3, "decode": 3})
+    for _ in range(20):
+        proposal = proposer.propose(Load(300, 4000, 500), warm)
+    assert proposer.corrections.of("prefill") == pytest.approx(MAX_CORRECTION)  # 10x slower, bounded to 1.5x
+    # no hit fraction observed: 10 x 4,000 / 10,000 = 4 prefill, 2.5 decode, each x1.5
+    assert proposal.replicas == {"prefill": math.ceil(4.0 * MAX_CORRECTION), "decode": math.ceil(2.5 * MAX_CORRECTION)}

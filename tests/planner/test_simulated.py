@@ -1,0 +1,81 @@
+"""The planner driving the fleet simulator: a load that doubles adds replicas within two
+intervals, a load that falls removes them after the sustained period, nothing is dropped, and
+every change is explained. Then `tokenmill planner simulate` end to end, with its baselines."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from tokenmill.cli import main
+from tokenmill.planner.constrain import Limits
+from tokenmill.planner.setup import make_planner
+from tokenmill.planner.simulated import SimulatedDeployment
+from tokenmill.sim.fleet.arrivals import TraceRequest
+from tokenmill.sim.fleet.clock import parse_profile
+from tokenmill.sim.fleet.config import SLA, FleetConfig
+from tokenmill.sim.fleet.fleet import FleetSim
+from tokenmill.sim.fleet.synthetic import synthetic
+from tests.planner.test_constrain import Steady
+
+PROFILE = "llama-3.1-70b@h100:fp8:tp4"
+INTERVAL = 30.0
+
+
+def _phases() -> list[TraceRequest]:
+    """2 req/s for 10 min, 4 req/s for 10 min, then 0.5 req/s for 15 min; 8k-token prompts."""
+    out: list[TraceRequest] = []
+    for start, rate, duration in ((0.0, 2.0, 600.0), (600.0, 4.0, 600.0), (1200.0, 0.5, 900.0)):
+        for r in synthetic("poisson", rate=rate, duration_s=duration, input_tokens=8000, output_tokens=100,
+                           seed=int(start)):
+            out.append(dataclasses.replace(r, request_id=f"r{len(out)}", arrival_s=start + r.arrival_s,
+                                           block_hashes=tuple(h + len(out) * 10_007 for h in r.block_hashes)))
+    return out
+
+
+def test_the_planner_follows_a_doubling_and_a_fall_without_losing_a_request() -> None:
+    profile = parse_profile(PROFILE)
+    config = FleetConfig(profiles={"agg": profile}, agg=2, sla=SLA(1.0, 0.05), replica_startup_s=60.0,
+                         interval_s=INTERVAL)
+    limits = Limits(min_replicas={"agg": 1}, max_step=4, scale_down_intervals=4)
+    planner = make_planner(config.profiles, False, "sla", Steady(), limits, 1.0, 0.05, config.max_num_seqs,
+                           config.max_num_batched_tokens)
+    deployment = SimulatedDeployment(planner, INTERVAL, warmup_s=60.0)
+    sim = FleetSim(config)
+    requests = _phases()
+    sim.run(requests, controller=deployment.tick, tick_s=INTERVAL)
+    decisions = deployment.decisions
+    before = max(d.target["agg"] for d in decisions if 300 <= d.at_s < 600)
+    grown = [d for d in decisions if 600 < d.at_s <= 600 + 2 * INTERVAL and d.target["agg"] > before]
+    assert grown, "the doubled load should raise the target within two intervals"
+    peak = max(d.target["agg"] for d in decisions if 600 <= d.at_s < 1200)
+    late = [d.target["agg"] for d in decisions if d.at_s >= 1200 + 8 * INTERVAL]
+    assert late and max(late) < peak, "the fall should remove replicas after the sustained period"
+    first_cut = next(d for d in decisions if d.at_s > 1200 and any(a.delta < 0 for a in d.actions))
+    assert first_cut.at_s >= 1200 + 3 * INTERVAL  # four decisions must agree first
+    assert all(r.finished for r in sim.records.values()) and len(sim.records) == len(requests)
+    for d in decisions:
+        assert d.reason and (not d.actions or any(a.describe() in d.reason for a in d.actions))
+    assert sum(1 for c in sim.change_log if c.action == "add") >= 1
+
+
+def test_planner_simulate_command_with_baselines(tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    code = main(["planner", "simulate", "--synthetic", "poisson", "--rate", "1.5", "--duration-s", "600",
+                 "--isl", "8000", "--osl", "100", "--model", "llama-3.1-70b", "--gpu", "h100", "--layout", "tp4",
+                 "--agg", "1", "--ttft-ms", "1000", "--itl-ms", "50", "--predictor", "constant", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["schema"] == "tokenmill.planner.simulate/1"
+    assert report["planned"]["sla_attainment"] > 0.9
+    assert report["static_peak"]["sla_attainment"] >= report["planned"]["sla_attainment"]
+    assert report["gpu_hours_vs_oracle"] > 0 and report["decisions"][0]["reason"]
+
+
+def test_planner_simulate_refuses_bad_flags(capsys) -> None:
+    base = ["planner", "simulate", "--synthetic", "poisson", "--model", "llama-3.1-70b", "--gpu", "h100"]
+    assert main([*base, "--max-step", "0"]) == 2
+    assert "--max-step" in capsys.readouterr().out
+    assert main([*base, "--change", "10:add:agg"]) == 2
+    assert main([*base, "--prefill", "1"]) == 2
