@@ -67,6 +67,7 @@ class DistributedBackend:
         self.max_migrations = max_migrations
         self.default_timeout_s = default_timeout_s
         self.migrations_total = 0
+        self.worker_control: Any = None  # `tokenmill serve`'s WorkerControl, for /admin/workers
 
     async def start(self) -> None:
         await self.pool.start()

@@ -143,6 +143,8 @@ class FrontendMetrics:
         self.cached_tokens = Counter("tokenmill_cached_tokens", "prompt tokens served from a prefix cache",
                                      registry=r)
         self.requests = Counter("tokenmill_requests", "finished requests by outcome", ["status"], registry=r)
+        # demand where it is admitted: under backpressure completions lag and would hide it (the planner reads this)
+        self.requests_started = Counter("tokenmill_requests_started", "generation requests admitted", registry=r)
         r.register(_BackendCollector(snapshot, self.output_rate, usd_per_worker_hour))
 
     def count_request(self, status: str) -> None:
@@ -153,6 +155,7 @@ class FrontendMetrics:
         self.count_request(labels.get(status, "error" if status >= 500 else "rejected"))
 
     def start_request(self) -> RequestTimer:
+        self.requests_started.inc()
         return RequestTimer(self, time.monotonic())
 
 

@@ -1,16 +1,29 @@
-"""Admin routes: `POST /admin/pin` pins a prefix (a system prompt, a shared corpus) in every
-worker's KV tiers, so it is never evicted from them and other replicas can load it.
+"""Admin routes (guarded by the admin key, `auth.py`).
 
-Body: exactly one of `prompt` (a string, tokenized as `/v1/completions` does, or a list of
-token ids) and `messages` (chat messages, rendered with the chat template and no generation
-prompt, so the result is a prefix of any conversation that starts with them). Answer:
-`{"pinned": bool, "num_tokens": n, "workers": {worker_id: null | "why not"}}`; `pinned` is
-true when every worker pinned it. Only full KV blocks are pinned.
+`POST /admin/pin` pins a prefix (a system prompt, a shared corpus) in every worker's KV tiers,
+so it is never evicted from them and other replicas can load it. Body: exactly one of `prompt`
+(a string, tokenized as `/v1/completions` does, or a list of token ids) and `messages` (chat
+messages, rendered with the chat template and no generation prompt, so the result is a prefix of
+any conversation that starts with them). Answer: `{"pinned": bool, "num_tokens": n, "workers":
+{worker_id: null | "why not"}}`; `pinned` is true when every worker pinned it. Only full KV
+blocks are pinned.
+
+`GET /admin/workers` lists `tokenmill serve`'s workers (`worker_control.py`: name, role, state,
+pid, in-flight requests, started_at, and live replicas counted by role and state); `POST
+/admin/workers` changes them, answering 202 with the records it touched:
+`{"action": "start", "role": R, "count": N}` -> `{"started": [...]}`;
+`{"action": "drain", "worker": NAME}` or `{"action": "drain", "role": R, "count": N}` (the newest
+serving ones) -> `{"drained": [...]}`; `{"action": "rerole", "worker": NAME, "to": R}` -> both.
+Client mistakes are 400s naming the field, an unknown worker a 404, and a drain that would leave
+no agg/decode worker serving (or of a worker not serving) a 409. The other API servers of a
+`--api-servers N` deployment forward these two routes to the serve process (`control_socket.py`).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,8 +31,24 @@ from fastapi.responses import JSONResponse
 
 from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.body import read_body
-from tokenmill.frontend.errors import invalid_param
+from tokenmill.frontend.control_socket import CONTROL_SOCKET_ENV, forward
+from tokenmill.frontend.errors import SERVER_ERROR, APIError, error_body, invalid_param
 from tokenmill.frontend.generation import ServingContext
+from tokenmill.frontend.worker_control import NAME_PREFIX, WorkerControl
+
+ACTIONS = ("start", "drain", "rerole")
+MAX_COUNT = 64  # workers one request may start or drain
+_FIELDS = {"start": {"action", "role", "count"}, "drain": {"action", "worker", "role", "count"},
+           "rerole": {"action", "worker", "to"}}
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerCommand:
+    action: str
+    role: str | None = None
+    count: int = 1
+    worker: str | None = None
+    to: str | None = None
 
 
 def pin_token_ids(body: Any, tokenizer: Tokenizer) -> list[int]:
@@ -39,16 +68,107 @@ def pin_token_ids(body: Any, tokenizer: Tokenizer) -> list[int]:
     raise invalid_param("prompt", "'prompt' must be a non-empty string or list of token ids")
 
 
+def parse_worker_command(body: Any, roles: tuple[str, ...]) -> WorkerCommand:
+    """A `POST /admin/workers` body, checked against the deployment's roles; 400 naming the field."""
+    if not isinstance(body, dict):
+        raise invalid_param(None, "the body must be a JSON object")
+    action = body.get("action")
+    if action not in ACTIONS:
+        raise invalid_param("action", f"'action' must be one of {', '.join(ACTIONS)}, got {action!r}")
+    unknown = sorted(set(body) - _FIELDS[action])
+    if unknown:
+        raise invalid_param(unknown[0], f"{action!r} takes only {', '.join(sorted(_FIELDS[action]))}; "
+                                        f"got {unknown[0]!r}")
+    if action == "rerole":
+        return WorkerCommand(action, worker=_worker_name(body), to=_role(body, "to", roles))
+    if action == "drain" and "worker" in body:
+        if "role" in body or "count" in body:
+            raise invalid_param("worker", "drain takes either 'worker' or 'role' and 'count', not both")
+        return WorkerCommand(action, worker=_worker_name(body))
+    return WorkerCommand(action, role=_role(body, "role", roles), count=_count(body))
+
+
+def _role(body: dict[str, Any], field: str, roles: tuple[str, ...]) -> str:
+    role = body.get(field)
+    if role not in NAME_PREFIX:
+        raise invalid_param(field, f"'{field}' must be one of {', '.join(NAME_PREFIX)}, got {role!r}")
+    if role not in roles:
+        kind = "an aggregated" if roles == ("agg",) else "a disaggregated"
+        raise invalid_param(field, f"{kind} deployment has no {role} workers: '{field}' must be one of "
+                                   f"{', '.join(roles)}")
+    return role
+
+
+def _count(body: dict[str, Any]) -> int:
+    count = body.get("count", 1)
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
+        raise invalid_param("count", f"'count' must be an integer from 1 to {MAX_COUNT}, got {count!r}")
+    return count
+
+
+def _worker_name(body: dict[str, Any]) -> str:
+    name = body.get("worker")
+    if not isinstance(name, str) or not name:
+        raise invalid_param("worker", f"'worker' must be a worker's name (GET /admin/workers), got {name!r}")
+    return name
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise invalid_param(None, f"body is not JSON: {exc.msg}") from exc
+
+
+async def answer_workers(control: WorkerControl, method: str, raw: bytes) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of `GET`/`POST /admin/workers`, errors included."""
+    try:
+        if method == "GET":
+            return 200, control.snapshot()
+        return 202, run_worker_command(control, parse_worker_command(_json(raw), control.roles))
+    except APIError as exc:
+        return exc.status, error_body(exc.detail)
+
+
+async def _workers_route(ctx: ServingContext, method: str, raw: bytes) -> JSONResponse:
+    """Answered here in the serve process, forwarded to it from its other API servers."""
+    control = getattr(ctx.backend, "worker_control", None)
+    forward_to = os.environ.get(CONTROL_SOCKET_ENV)
+    if control is not None:
+        status, body = await answer_workers(control, method, raw)
+    elif forward_to:
+        try:
+            status, body = await forward(forward_to, method, raw)
+        except ConnectionError as exc:
+            raise APIError(503, str(exc), SERVER_ERROR, code="service_unavailable") from exc
+    else:
+        raise APIError(404, "/admin/workers is served by `tokenmill serve`, which runs the worker processes; "
+                            "this frontend does not", code="not_found")
+    error = body.get("error") if status >= 400 else None
+    if isinstance(error, dict):  # raised, so the error metrics count it as any other
+        raise APIError(status, str(error.get("message")), str(error.get("type")), error.get("param"),
+                       error.get("code"))
+    return JSONResponse(body, status_code=status)
+
+
+def run_worker_command(control: WorkerControl, command: WorkerCommand) -> dict[str, Any]:
+    if command.action == "start":
+        started = control.start(command.role, command.count)
+        return {"action": "start", "started": [control.describe(r) for r in started]}
+    if command.action == "drain":
+        param = "worker" if command.worker else "role"
+        names = [command.worker] if command.worker else control.newest(command.role, command.count)
+        return {"action": "drain", "drained": [control.describe(r) for r in control.drain(names, param)]}
+    drained, started = control.rerole(command.worker, command.to)
+    return {"action": "rerole", "drained": [control.describe(drained)], "started": [control.describe(started)]}
+
+
 def admin_router(ctx: ServingContext) -> APIRouter:
     router = APIRouter()
 
     @router.post("/admin/pin")
     async def pin(request: Request) -> JSONResponse:
-        raw = await read_body(request, ctx.max_body_bytes)
-        try:
-            body = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise invalid_param(None, f"body is not JSON: {exc.msg}") from exc
+        body = _json(await read_body(request, ctx.max_body_bytes))
         ids = await asyncio.to_thread(pin_token_ids, body, ctx.backend.tokenizer)
         if len(ids) >= ctx.backend.max_model_len:
             raise invalid_param("prompt", f"prefix has {len(ids)} tokens; the context length is "
@@ -56,5 +176,13 @@ def admin_router(ctx: ServingContext) -> APIRouter:
         workers = await ctx.backend.pin_prefix(ids)
         pinned = bool(workers) and all(why is None for why in workers.values())
         return JSONResponse({"pinned": pinned, "num_tokens": len(ids), "workers": workers})
+
+    @router.get("/admin/workers")
+    async def list_workers() -> JSONResponse:
+        return await _workers_route(ctx, "GET", b"")
+
+    @router.post("/admin/workers")
+    async def change_workers(request: Request) -> JSONResponse:
+        return await _workers_route(ctx, "POST", await read_body(request, ctx.max_body_bytes))
 
     return router

@@ -1,5 +1,7 @@
 """`tokenmill serve`: one HTTP frontend and supervised worker processes on this host:
-`--workers N` aggregated workers, or `--prefill P --decode D` disaggregated ones."""
+`--workers N` aggregated workers, or `--prefill P --decode D` disaggregated ones; more of
+either role are started, drained and re-roled at runtime through `/admin/workers`
+(`worker_control.py`), with the same engine flags."""
 from __future__ import annotations
 
 import argparse
@@ -9,15 +11,19 @@ import os
 import shutil
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 from tokenmill.frontend.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
+from tokenmill.frontend.control_socket import CONTROL_SOCKET_ENV
 from tokenmill.frontend.launch import (add_frontend_flags, api_keys, disagg_config, frontend_argv, make_backend,
                                       model_name, router_policy, run_http)
 from tokenmill.runtime import event_loop
 from tokenmill.transfer.memory import remove_shared_files_of
 
 log = logging.getLogger(__name__)
+
+CONTROL_SOCKET = "control.sock"  # in the run directory: the other API servers' way to the workers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests a worker may hold waiting beyond a full batch before 429")
     parser.add_argument("--run-dir", default=None,
                         help="directory for worker sockets and the registry (default: a fresh temp dir)")
+    parser.add_argument("--worker-start-timeout-s", type=float, default=300.0,
+                        help="a worker started through /admin/workers that has not registered by then has failed")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,26 +74,44 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]) -> int:
+    from tokenmill.frontend.control_socket import serve_control_socket
+    from tokenmill.frontend.routes_admin import answer_workers
+    from tokenmill.frontend.worker_control import WorkerControl
+    from tokenmill.frontend.worker_processes import WorkerSupervisor
     from tokenmill.runtime.discovery import FileDiscovery
-    from tokenmill.runtime.supervisor import ChildSpec, Supervisor
+    from tokenmill.runtime.supervisor import ChildSpec
 
     registry = run_dir / "registry"
     discovery = FileDiscovery(registry)
-    specs = [ChildSpec(name, _worker_argv(args, name, role, run_dir, engine_args)) for name, role in _workers(args)]
+
+    def worker_spec(name: str, role: str) -> ChildSpec:
+        return ChildSpec(name, _worker_argv(args, name, role, run_dir, engine_args))
+
+    specs = [worker_spec(name, role) for name, role in _workers(args)]
     keys = api_keys(args)  # to the other API servers by environment: a command line is public (ps)
     key_env = {k: v for k, v in ((API_KEY_ENV, keys.api), (ADMIN_API_KEY_ENV, keys.admin)) if v}
+    key_env[CONTROL_SOCKET_ENV] = str(run_dir / CONTROL_SOCKET)  # they forward /admin/workers here
     specs += [ChildSpec(f"api-server-{i}", _api_server_argv(args, run_dir), key_env)
               for i in range(1, args.api_servers)]
     args.reuse_port = args.reuse_port or args.api_servers > 1
     # the workers start first, all at once: they boot while this process loads the frontend
-    supervisor = Supervisor(specs, on_exit=lambda name: _worker_died(backend, discovery, name, supervisor.pid(name)))
+    supervisor = WorkerSupervisor(specs, on_exit=lambda name: _worker_died(backend, discovery, name,
+                                                                          supervisor.pid(name)))
     supervisor.start()
     backend = make_backend(args, discovery)
-    watcher = asyncio.create_task(supervisor.watch())
+    roles = ("prefill", "decode") if args.prefill else ("agg",)
+    backend.worker_control = control = WorkerControl(supervisor, backend.pool, worker_spec, roles, _workers(args),
+                                                     args.worker_start_timeout_s)
+    watchers = [asyncio.create_task(supervisor.watch()), asyncio.create_task(control.run())]
+    control_socket = (await serve_control_socket(run_dir / CONTROL_SOCKET, partial(answer_workers, control))
+                      if args.api_servers > 1 else None)
     try:
         await run_http(args, backend)
     finally:
-        watcher.cancel()
+        for watcher in watchers:
+            watcher.cancel()
+        if control_socket is not None:
+            control_socket.close()
         supervisor.stop()
         for name in list(supervisor.children):
             remove_shared_files_of(supervisor.pid(name))  # of workers that had to be killed
@@ -95,6 +121,8 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
 def _check_topology(args: argparse.Namespace) -> None:
     if args.api_servers < 1:
         raise ValueError("--api-servers must be at least 1")
+    if not args.worker_start_timeout_s > 0:
+        raise ValueError("--worker-start-timeout-s must be positive")
     if args.api_servers > 1 and args.port == 0:
         raise ValueError("--api-servers > 1 needs a fixed --port: the servers share it")
     if args.prefill or args.decode:

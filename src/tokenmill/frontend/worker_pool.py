@@ -7,6 +7,10 @@ it then receives a `LOST` marker, so the request can be migrated. Workers that
 publish KV events get a SUB socket too: events go to the router's index, and a
 gap in event ids triggers a snapshot request answered on the DEALER socket.
 
+A draining worker (it says so in its heartbeats, or `mark_draining` was told so by the admin
+API) stays connected, so the streams it holds finish, but is no longer offered for new requests
+by `in_pool`; it is dropped like any other once it deregisters or exits.
+
 Disaggregated deployments hold two routers: prefill workers (role "prefill") join
 `prefill_router`, every other worker joins `router`; each worker's events and load feed the
 router of its own pool.
@@ -45,6 +49,7 @@ class WorkerConnection:
         self._outbox: list[dict[str, Any]] = []
         self.last_seen = time.monotonic()
         self.load: dict[str, float] = dict(info.metadata)
+        self.draining = bool(self.load.get("draining"))  # once set, never unset: a drain ends in an exit
         if "num_blocks" in info.metadata:
             router.report_capacity(info.worker_id, int(info.metadata["num_blocks"]))
         self._reader = SocketReader(self.socket, self._on_frames)
@@ -126,6 +131,7 @@ class WorkerConnection:
 
     def _on_heartbeat(self, load: dict[str, float]) -> None:
         self.load.update(load)
+        self.draining = self.draining or bool(load.get("draining"))
         if "num_blocks" in load:
             self.router.report_capacity(self.worker_id, int(load["num_blocks"]))
         if "others_prefill_blocks" in load:  # what this frontend did not route there
@@ -178,8 +184,15 @@ class WorkerPool:
         return 16, 0
 
     def in_pool(self, prefill: bool) -> list[str]:
-        """Live workers of the prefill pool, or of the decode/aggregated pool."""
-        return [w for w, c in self.connections.items() if (c.info.role == "prefill") == prefill]
+        """Live workers of the prefill pool, or of the decode/aggregated pool, that take new requests."""
+        return [w for w, c in self.connections.items() if (c.info.role == "prefill") == prefill and not c.draining]
+
+    def mark_draining(self, worker_id: str) -> bool:
+        """Route nothing new to the worker from now on (its own heartbeat says so a moment later)."""
+        conn = self.connections.get(worker_id)
+        if conn is not None:
+            conn.draining = True
+        return conn is not None
 
     def drop(self, worker_id: str, reason: str) -> None:
         conn = self.connections.pop(worker_id, None)

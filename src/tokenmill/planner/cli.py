@@ -15,6 +15,8 @@ from tokenmill.cli import add_subcommands
 COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("backtest", "tokenmill.planner.backtest",
      "load predictors one step ahead on a trace: MAPE of requests, mean ISL and OSL per interval"),
+    ("run", "tokenmill.planner.run_cli",
+     "the planner against a running tokenmill serve: observe /metrics, scale through /admin/workers"),
     ("simulate", "tokenmill.planner.simulate",
      "the planner sizing a simulated fleet over a trace, beside static-peak and oracle baselines"),
 )

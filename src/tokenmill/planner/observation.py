@@ -32,8 +32,10 @@ class Observation:
 
     @property
     def missing(self) -> list[str]:
-        needed = ("requests", "mean_isl", "mean_osl")
-        return [name for name in needed if getattr(self, name) is None]
+        """What the planner needs and nobody measured (an interval without arrivals needs no lengths)."""
+        if self.requests is None:
+            return ["requests"]
+        return [name for name in ("mean_isl", "mean_osl") if self.requests and getattr(self, name) is None]
 
     def count(self, role: str, *states: str) -> int:
         by_state = self.replicas.get(role, {})

@@ -97,4 +97,5 @@ async def _serve(server) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.stop)
+    loop.add_signal_handler(signal.SIGUSR1, server.drain)  # `tokenmill serve`: finish what it holds, then exit
     await server.serve()

@@ -13,8 +13,12 @@ Roles (DESIGN.md): `agg` prefills and decodes; `prefill` and `decode` also run a
 `KVTransferService`, so a prefill-only generate is answered with a KV transfer handle and a
 generate carrying a handle pulls the prompt's KV instead of computing it. Any role still serves
 plain generates (conditional disaggregation prefills short prompts on the decode worker).
-Stopping drains: the worker leaves discovery, refuses new work, and lets its prefill-only
-requests and held KV finish (acknowledged or timed out) for up to `drain_timeout_s`.
+Stopping (SIGTERM) drains briefly: the worker leaves discovery, refuses new work, and lets its
+prefill-only requests and held KV finish (acknowledged or timed out) for up to `drain_timeout_s`,
+then aborts what is left. `drain()` (SIGUSR1, from `tokenmill serve`'s admin API) is the graceful
+kind: the worker stays registered but says `draining` in every heartbeat (frontends route nothing
+new to it), refuses new work, lets every request it holds finish normally and its held KV be
+pulled, and only then stops.
 """
 from __future__ import annotations
 
@@ -42,6 +46,9 @@ if TYPE_CHECKING:  # torch: only prefill/decode workers move KV
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+DRAIN_POLL_S = 0.05
+# after a graceful drain's last request: its final frames leave before the socket closes (LINGER 0)
+DRAIN_FLUSH_S = 0.25
 STATS_WAIT_S = 0.1  # how long a heartbeat waits for the engine thread's fresh stats
 ROLES = ("agg", "prefill", "decode")
 
@@ -81,6 +88,7 @@ class WorkerServer:
         self.prefill_only: set[str] = set()  # ids in `tasks` that end with a KV handle
         self.requests_served = 0
         self.draining = False
+        self._drain_task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         self.publisher = (KVEventPublisher(engine, settings.worker_id, settings.events_address)
                           if settings.events_address else None)
@@ -111,6 +119,8 @@ class WorkerServer:
         finally:
             self._reader.close()
             heartbeat.cancel()
+            if self._drain_task is not None:
+                self._drain_task.cancel()
             self.discovery.unregister(self.settings.worker_id)
             for task in list(self.tasks.values()):
                 task.cancel()
@@ -124,6 +134,26 @@ class WorkerServer:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def drain(self) -> None:
+        """Finish everything held, take nothing new, then stop (the graceful drain: never aborts)."""
+        if self.draining or self._stopping.is_set():
+            return
+        self.draining = True
+        log.info("draining: %d requests in flight", len(self.tasks))
+        # tell the frontends now, not at the next beat: they stop routing here at once
+        flag = {"draining": 1.0, "in_flight": len(self.tasks)}
+        self.discovery.heartbeat(self.settings.worker_id, flag)
+        for peer in list(self.peers):
+            self._send_now(peer, {"type": p.HEARTBEAT, "worker_id": self.settings.worker_id, "load": flag})
+        self._drain_task = asyncio.create_task(self._finish_then_stop())
+
+    async def _finish_then_stop(self) -> None:
+        while self.tasks or (self.transfer is not None and await self.transfer.num_held()):
+            await asyncio.sleep(DRAIN_POLL_S)
+        await asyncio.sleep(DRAIN_FLUSH_S)
+        log.info("drained: %d requests served; stopping", self.requests_served)
+        self.stop()
 
     async def _drain(self) -> None:
         """Let prefill-only requests finish and held KV be pulled; refuse new work meanwhile."""
@@ -154,6 +184,7 @@ class WorkerServer:
                 "kv_usage": stats.kv_usage, "prefix_hit_rate": stats.prefix_hit_rate,
                 "prefill_blocks": stats.prefill_blocks, "decode_blocks": stats.decode_blocks,
                 "in_flight": len(self.tasks), "requests_served": self.requests_served,
+                "draining": float(self.draining),
                 "frontends": len(self.peers),
                 "prefill_tokens": stats.prefill_tokens, "onboarded_tokens": stats.onboarded_tokens,
                 "num_held": stats.num_held, "num_importing": stats.num_importing,

@@ -1,0 +1,115 @@
+"""A live deployment's interval, from two scrapes of the frontend's `/metrics` (parsed by
+prometheus-client's own text parser) and its `GET /admin/workers`.
+
+Counters become per-interval deltas (a counter that went backwards means the frontend restarted:
+the interval is then missing, not negative); latency quantiles come from the histogram buckets'
+deltas, interpolated within a bucket as Prometheus' `histogram_quantile` does. Demand is
+`tokenmill_requests_started_total` (counted at admission); ISL and OSL are the token counters
+over the requests that finished.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.planner.observation import DRAINING, SERVING, STARTING, Observation
+
+_COUNTERS = ("tokenmill_requests_started_total", "tokenmill_input_tokens_total", "tokenmill_output_tokens_total",
+             "tokenmill_cached_tokens_total", "tokenmill_requests_total")
+_HISTOGRAMS = {"ttft": "tokenmill_time_to_first_token_seconds", "itl": "tokenmill_inter_token_latency_seconds"}
+_WORKER_STATES = {"serving": SERVING, "starting": STARTING, "draining": DRAINING}
+
+
+def scrape(text: str) -> dict[str, Any]:
+    """The figures the planner reads, summed over label sets: counters, histogram buckets, and
+    per-worker gauges (`tokenmill_worker_kv_usage`, `tokenmill_worker_num_waiting`)."""
+    out: dict[str, Any] = {name: 0.0 for name in _COUNTERS}
+    buckets: dict[str, dict[float, float]] = {key: {} for key in _HISTOGRAMS}
+    workers: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            _take(sample, out, buckets, workers)
+    out["buckets"] = buckets
+    out["workers"] = workers
+    return out
+
+
+def _take(sample: Any, out: dict[str, Any], buckets: dict[str, dict[float, float]],
+          workers: dict[str, dict[str, float]]) -> None:
+    name, labels, value = sample.name, sample.labels, sample.value
+    if name in _COUNTERS:
+        out[name] += value
+        return
+    for key, histogram in _HISTOGRAMS.items():
+        if name == histogram + "_bucket":
+            bound = float(labels["le"])
+            buckets[key][bound] = buckets[key].get(bound, 0.0) + value
+            return
+    if name.startswith("tokenmill_worker_") and "worker" in labels:
+        workers.setdefault(labels["worker"], {})[name.removeprefix("tokenmill_worker_")] = value
+
+
+def observe(before: Mapping[str, Any], after: Mapping[str, Any], at_s: float, interval_s: float,
+            workers: Iterable[Mapping[str, Any]], warmup_s: float, roles: Mapping[str, str] | None = None
+            ) -> Observation:
+    """One interval from two `scrape`s and the `/admin/workers` list (name, role, state, started_at)."""
+    obs = Observation(at_s=at_s, interval_s=interval_s)
+    delta = {name: after[name] - before[name] for name in _COUNTERS}
+    workers = list(workers)
+    _replicas(obs, workers, at_s, warmup_s)
+    if any(v < 0 for v in delta.values()):
+        return obs  # the frontend restarted between scrapes: nothing to say about this interval
+    obs.requests = int(round(delta["tokenmill_requests_started_total"]))
+    finished = delta["tokenmill_requests_total"]
+    if finished > 0:
+        obs.mean_isl = delta["tokenmill_input_tokens_total"] / finished
+        obs.mean_osl = delta["tokenmill_output_tokens_total"] / finished
+        if delta["tokenmill_input_tokens_total"] > 0:
+            obs.hit_fraction = delta["tokenmill_cached_tokens_total"] / delta["tokenmill_input_tokens_total"]
+    for key, (p50, p90) in ((k, _quantiles(before["buckets"][k], after["buckets"][k])) for k in _HISTOGRAMS):
+        setattr(obs, f"{key}_p50_s", p50)
+        setattr(obs, f"{key}_p90_s", p90)
+    serving = {w["name"]: w for w in workers if w.get("state") == "serving"}
+    gauges = after["workers"]
+    decode_kv = [g["kv_usage"] for name, g in gauges.items() if name in serving and "kv_usage" in g
+                 and serving[name].get("role") in ("decode", "agg")]
+    obs.decode_kv_usage = sum(decode_kv) / len(decode_kv) if decode_kv else None
+    obs.queue_depth = int(sum(g.get("num_waiting", 0.0) for name, g in gauges.items() if name in serving))
+    return obs
+
+
+def _replicas(obs: Observation, workers: list[Mapping[str, Any]], at_s: float, warmup_s: float) -> None:
+    for worker in workers:
+        state = _WORKER_STATES.get(str(worker.get("state")))
+        role = str(worker.get("role"))
+        if state is None:
+            continue
+        obs.replicas.setdefault(role, {})
+        obs.replicas[role][state] = obs.replicas[role].get(state, 0) + 1
+        serving_since = worker.get("serving_since", worker.get("started_at"))
+        if state == SERVING and isinstance(serving_since, (int, float)) and at_s - serving_since >= warmup_s:
+            obs.warm_replicas[role] = obs.warm_replicas.get(role, 0) + 1
+
+
+def _quantiles(before: Mapping[float, float], after: Mapping[float, float]) -> tuple[float | None, float | None]:
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0 or any(c < 0 for c in counts):
+        return None, None
+    return _quantile(0.5, bounds, counts), _quantile(0.9, bounds, counts)
+
+
+def _quantile(q: float, bounds: list[float], cumulative: list[float]) -> float:
+    """Prometheus' histogram_quantile over cumulative bucket counts (the last bound is +Inf)."""
+    rank = q * cumulative[-1]
+    for i, (bound, count) in enumerate(zip(bounds, cumulative)):
+        if count >= rank:
+            if math.isinf(bound):
+                return bounds[i - 1] if i else 0.0
+            low, below = (bounds[i - 1], cumulative[i - 1]) if i else (0.0, 0.0)
+            in_bucket = count - below
+            return low + (bound - low) * ((rank - below) / in_bucket if in_bucket else 1.0)
+    return bounds[-2] if len(bounds) > 1 else 0.0

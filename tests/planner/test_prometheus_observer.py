@@ -1,0 +1,65 @@
+"""The live observation: two scrapes of a frontend's real metrics (its own FrontendMetrics,
+rendered by prometheus-client), read back with prometheus-client's parser, give the interval's
+demand, ISL/OSL, cache hits and latency quantiles; a restarted frontend reads as missing."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from tokenmill.frontend.metrics import FrontendMetrics
+from tokenmill.planner.observation import SERVING, STARTING
+from tokenmill.planner.prometheus_observer import observe, scrape
+
+WORKERS = [{"name": "decode-0", "role": "decode", "state": "serving", "serving_since": 0.0},
+           {"name": "decode-1", "role": "decode", "state": "starting"},
+           {"name": "prefill-0", "role": "prefill", "state": "serving", "serving_since": 95.0}]
+
+
+def _metrics() -> FrontendMetrics:
+    snapshot = {'tokenmill_worker_kv_usage{worker="decode-0"}': 0.6, 'tokenmill_worker_num_waiting{worker="decode-0"}': 3.0,
+                'tokenmill_worker_kv_usage{worker="prefill-0"}': 0.1}
+    return FrontendMetrics(lambda: snapshot)
+
+
+def _serve(m: FrontendMetrics, n: int, ttft: float, prompt: int, output: int, cached: int) -> None:
+    for _ in range(n):
+        timer = m.start_request()
+        m.ttft.observe(ttft)
+        m.itl.observe(0.02)
+        timer.on_finish("success", prompt, output, cached)
+
+
+def test_two_scrapes_make_one_interval() -> None:
+    m = _metrics()
+    _serve(m, 5, 0.3, 100, 10, 0)
+    before = scrape(generate_latest(m.registry).decode())
+    _serve(m, 20, 0.6, 1000, 50, 250)
+    m.start_request()  # admitted, not finished: demand all the same
+    after = scrape(generate_latest(m.registry).decode())
+    obs = observe(before, after, at_s=100.0, interval_s=30.0, workers=WORKERS, warmup_s=60.0)
+    assert obs.requests == 21
+    assert obs.mean_isl == pytest.approx(1000) and obs.mean_osl == pytest.approx(50)
+    assert obs.hit_fraction == pytest.approx(0.25)
+    assert 0.5 <= obs.ttft_p50_s <= 0.75 and 0.5 <= obs.ttft_p90_s <= 0.75  # the 0.6 s bucket (0.5, 0.75]
+    assert 0.01 <= obs.itl_p50_s <= 0.025
+    assert obs.replicas == {"decode": {SERVING: 1, STARTING: 1}, "prefill": {SERVING: 1}}
+    assert obs.warm_replicas == {"decode": 1}  # prefill-0 has served only 5 s
+    assert obs.decode_kv_usage == pytest.approx(0.6) and obs.queue_depth == 3
+    assert obs.missing == []
+
+
+def test_a_restarted_frontend_is_missing_not_negative() -> None:
+    old, new = _metrics(), _metrics()
+    _serve(old, 10, 0.3, 100, 10, 0)
+    _serve(new, 2, 0.3, 100, 10, 0)
+    obs = observe(scrape(generate_latest(old.registry).decode()), scrape(generate_latest(new.registry).decode()),
+                  at_s=30.0, interval_s=30.0, workers=WORKERS, warmup_s=60.0)
+    assert obs.requests is None and "requests" in obs.missing
+
+
+def test_an_idle_interval_is_zero_traffic() -> None:
+    m = _metrics()
+    _serve(m, 3, 0.3, 100, 10, 0)
+    text = generate_latest(m.registry).decode()
+    obs = observe(scrape(text), scrape(text), at_s=30.0, interval_s=30.0, workers=WORKERS, warmup_s=60.0)
+    assert obs.requests == 0 and obs.mean_isl is None and obs.ttft_p50_s is None and obs.missing == []

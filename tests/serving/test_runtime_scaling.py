@@ -1,0 +1,282 @@
+"""Runtime scaling through `/admin/workers` on a real `tokenmill serve` with mock workers:
+start, drain (never aborting a stream), re-role, refusals naming the field, failed starts."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.conftest import Server, start_server, stop_server
+from tokenmill.frontend.worker_control import WorkerControl
+from tokenmill.runtime.supervisor import ChildSpec
+
+STEP_S = "0.04"  # each mock decode step: a 100-token stream lasts about 4 s
+STREAM_TOKENS = 100
+ADMIN_KEY = "admin-5678"
+
+
+@pytest.fixture(scope="module")
+def agg(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    """One launch worker; a model copy of its own, which the failed-start test moves away."""
+    root = tmp_path_factory.mktemp("scaling")
+    model = Path(shutil.copytree(tiny_dense, root / "model"))
+    server = start_server(model, root / "run", "--runner", "mock", "--mock-step-time", f"{STEP_S},0,0,0",
+                          "--max-num-seqs", "16", workers=1)
+    try:
+        yield server, model
+    finally:
+        stop_server(server)
+
+
+def admin(server: Server, body: Any = None, raw: bytes | None = None, key: str | None = None) -> httpx.Response:
+    """GET /admin/workers, or POST it `body` (JSON) or `raw` bytes; a fresh connection each time."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=server.url, timeout=30, trust_env=False, headers=headers) as client:
+        if body is None and raw is None:
+            return client.get("/admin/workers")
+        if raw is not None:
+            return client.post("/admin/workers", content=raw)
+        return client.post("/admin/workers", json=body)
+
+
+def workers(server: Server) -> dict[str, dict[str, Any]]:
+    response = admin(server)
+    assert response.status_code == 200, response.text
+    return {w["name"]: w for w in response.json()["data"]}
+
+
+def wait_for(server: Server, check: Callable[[dict[str, dict[str, Any]]], bool], timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        listed = workers(server)
+        if check(listed):
+            return listed
+        time.sleep(0.1)
+    raise AssertionError(f"not reached within {timeout_s} s: {listed}")
+
+
+def state_is(name: str, state: str) -> Callable[[dict[str, dict[str, Any]]], bool]:
+    return lambda listed: name in listed and listed[name]["state"] == state
+
+
+async def stream(client: openai.AsyncOpenAI, i: int, max_tokens: int) -> tuple[str, int]:
+    """(finish_reason, completion tokens) of one streamed completion; an error event raises."""
+    chunks = await client.completions.create(model="tiny", prompt=[5 + i, 6, 7, 8], max_tokens=max_tokens,
+                                             temperature=0, stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    reason, usage = None, None
+    async for chunk in chunks:
+        if chunk.choices and chunk.choices[0].finish_reason:
+            reason = chunk.choices[0].finish_reason
+        usage = chunk.usage or usage
+    return reason, usage.completion_tokens
+
+
+async def completions(server: Server, count: int, max_tokens: int = 4) -> list[tuple[str, int]]:
+    async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
+        return await asyncio.gather(*(stream(client, i, max_tokens) for i in range(count)))
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_drain_while_streaming_finishes_every_stream(agg: tuple[Server, Path]) -> None:
+    server, _ = agg
+
+    async def scenario() -> list[tuple[str, int]]:
+        streams = asyncio.ensure_future(completions(server, 8, STREAM_TOKENS))
+        await asyncio.to_thread(wait_for, server, lambda w: w["worker-0"]["in_flight"] == 8, 10)
+        started = await asyncio.to_thread(admin, server, {"action": "start", "role": "agg"})
+        assert started.status_code == 202, started.text
+        assert [(w["name"], w["state"]) for w in started.json()["started"]] == [("worker-1", "starting")]
+        await asyncio.to_thread(wait_for, server, state_is("worker-1", "serving"))
+        drained = await asyncio.to_thread(admin, server, {"action": "drain", "worker": "worker-0"})
+        assert drained.status_code == 202, drained.text
+        [record] = drained.json()["drained"]
+        assert (record["name"], record["state"], record["in_flight"]) == ("worker-0", "draining", 8)
+        assert not streams.done()  # drained mid-stream
+        return await streams
+
+    results = asyncio.run(scenario())
+    assert results == [("length", STREAM_TOKENS)] * 8
+    listed = wait_for(server, state_is("worker-0", "gone"), 15)
+    assert listed["worker-0"]["exit_code"] == 0 and not alive(listed["worker-0"]["pid"])
+    assert listed["worker-1"]["state"] == "serving"
+    metrics = httpx.get(server.url + "/metrics", trust_env=False).text
+    assert re.search(r"^tokenmill_workers 1\.0$", metrics, re.MULTILINE) and 'worker="worker-0"' not in metrics
+    # finished where they were, not migrated (a migration would hide an abort from the client)
+    assert re.search(r"^tokenmill_request_migrations_total 0\.0$", metrics, re.MULTILINE)
+    before = listed["worker-1"]["requests_served"]
+    assert asyncio.run(completions(server, 3)) == [("length", 4)] * 3
+    wait_for(server, lambda w: w["worker-1"]["requests_served"] == before + 3, 5)
+    time.sleep(1.0)  # a drained worker stays gone: the supervisor does not restart it
+    assert workers(server)["worker-0"]["state"] == "gone"
+
+
+def test_a_started_worker_goes_from_starting_to_serving_and_takes_requests(agg: tuple[Server, Path]) -> None:
+    server, _ = agg
+    response = admin(server, {"action": "start", "role": "agg", "count": 1})
+    assert response.status_code == 202, response.text
+    [record] = response.json()["started"]
+    assert record["name"] == "worker-2" and record["origin"] == "admin" and record["pid"] > 0
+    assert workers(server)["worker-2"]["state"] == "starting"
+    listed = wait_for(server, state_is("worker-2", "serving"))
+    assert admin(server).json()["replicas"] == {"agg": {"starting": 0, "serving": 2, "draining": 0}}
+    assert listed["worker-2"]["requests_served"] == 0
+    assert asyncio.run(completions(server, 6, 20)) == [("length", 20)] * 6  # least-loaded: both get some
+    wait_for(server, lambda w: w["worker-2"]["requests_served"] > 0, 5)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"action": "scale"}, 400, "action"),
+    ({"role": "agg"}, 400, "action"),
+    ({"action": "start", "role": "gpu"}, 400, "role"),
+    ({"action": "start", "role": "decode"}, 400, "role"),  # an aggregated serve
+    ({"action": "start", "role": "agg", "count": 0}, 400, "count"),
+    ({"action": "start", "role": "agg", "count": 65}, 400, "count"),
+    ({"action": "start", "role": "agg", "count": "2"}, 400, "count"),
+    ({"action": "start", "role": "agg", "count": True}, 400, "count"),
+    ({"action": "start", "role": "agg", "cuont": 2}, 400, "cuont"),
+    ({"action": "drain"}, 400, "role"),
+    ({"action": "drain", "worker": ""}, 400, "worker"),
+    ({"action": "drain", "worker": "worker-1", "count": 1}, 400, "worker"),
+    ({"action": "drain", "worker": "worker-9"}, 404, "worker"),
+    ({"action": "drain", "worker": "worker-0"}, 409, "worker"),  # gone already
+    ({"action": "drain", "role": "agg", "count": 2}, 409, "role"),  # would leave none serving
+    ({"action": "drain", "role": "agg", "count": 3}, 409, "count"),  # only 2 serve
+    ({"action": "rerole", "worker": "worker-1", "to": "prefill"}, 400, "to"),
+    ({"action": "rerole", "worker": "worker-1", "to": "agg"}, 400, "to"),
+    ({"action": "rerole", "worker": "worker-1"}, 400, "to"),
+    ([], 400, None),
+])
+def test_bad_requests_are_refused_naming_the_field(agg: tuple[Server, Path], body: Any, status: int,
+                                                   param: str | None) -> None:
+    response = admin(agg[0], body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+    assert admin(agg[0]).json()["replicas"]["agg"]["serving"] == 2  # nothing changed
+
+
+def test_draining_the_last_serving_worker_is_a_409(agg: tuple[Server, Path]) -> None:
+    server, _ = agg
+    assert admin(server, raw=b"{not json").status_code == 400
+    drained = admin(server, {"action": "drain", "role": "agg", "count": 1})  # the newest
+    assert drained.status_code == 202 and drained.json()["drained"][0]["name"] == "worker-2"
+    last = admin(server, {"action": "drain", "worker": "worker-1"})
+    assert last.status_code == 409 and last.json()["error"]["code"] == "last_serving_worker", last.text
+    wait_for(server, state_is("worker-2", "gone"), 15)
+    assert httpx.get(server.url + "/health", trust_env=False).status_code == 200
+
+
+def test_a_start_that_fails_is_reported_and_not_counted(agg: tuple[Server, Path]) -> None:
+    server, model = agg
+    moved = model.rename(model.with_name("moved"))  # what a new worker loads is gone; the running ones hold it
+    try:
+        response = admin(server, {"action": "start", "role": "agg"})
+        assert response.status_code == 202
+        name = response.json()["started"][0]["name"]
+        listed = wait_for(server, state_is(name, "failed"), 20)
+    finally:
+        moved.rename(model)
+    record = listed[name]
+    assert "before it registered" in record["reason"] and "config.json" in record["reason"], record
+    assert record["exit_code"] == 2 and record["restarts"] == 0
+    assert admin(server).json()["replicas"]["agg"] == {"starting": 0, "serving": 1, "draining": 0}
+    time.sleep(0.5)
+    assert workers(server)[name]["state"] == "failed"  # not restarted behind our back
+    assert asyncio.run(completions(server, 2)) == [("length", 4)] * 2
+
+
+def test_a_reroled_worker_serves_in_its_new_role(tiny_dense: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_dense, tmp_path, "--runner", "mock", "--mock-step-time", "0.01,0,0,0",
+                          "--prefill", "1", "--decode", "1", "--disagg-threshold", "0", workers=2)
+    try:
+        assert admin(server, {"action": "start", "role": "agg"}).json()["error"]["param"] == "role"
+        last = admin(server, {"action": "rerole", "worker": "decode-0", "to": "prefill"})
+        assert last.status_code == 409 and last.json()["error"]["code"] == "last_serving_worker"
+        response = admin(server, {"action": "rerole", "worker": "prefill-0", "to": "decode"})
+        assert response.status_code == 202, response.text
+        answer = response.json()
+        assert [(w["name"], w["state"]) for w in answer["drained"]] == [("prefill-0", "draining")]
+        assert [(w["name"], w["role"], w["state"]) for w in answer["started"]] == [("decode-1", "decode", "starting")]
+        wait_for(server, lambda w: w["decode-1"]["state"] == "serving" and w["prefill-0"]["state"] == "gone", 30)
+        assert admin(server).json()["replicas"] == {"prefill": {"starting": 0, "serving": 0, "draining": 0},
+                                                    "decode": {"starting": 0, "serving": 2, "draining": 0}}
+        assert asyncio.run(completions(server, 8, 12)) == [("length", 12)] * 8
+        wait_for(server, lambda w: w["decode-1"]["requests_served"] > 0, 5)
+    finally:
+        stop_server(server)
+
+
+def test_every_api_server_answers_for_the_workers_behind_the_admin_key(tiny_dense: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_dense, tmp_path, "--runner", "mock", "--mock-step-time", "0,0,0,0",
+                          "--api-servers", "2", "--admin-api-key", ADMIN_KEY, workers=1)
+    try:
+        for _ in range(12):  # fresh connections: the kernel spreads them over both servers
+            listed = admin(server, key=ADMIN_KEY)
+            assert [w["name"] for w in listed.json()["data"]] == ["worker-0"], listed.text
+            refused = admin(server, {"action": "start", "role": "decode"}, key=ADMIN_KEY)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "role"
+            assert admin(server, {"action": "start", "role": "agg"}).status_code == 401
+            assert admin(server).status_code == 401
+        assert os.path.exists(tmp_path / "control.sock")
+    finally:
+        stop_server(server)
+
+
+class _FakeSupervisor:
+    """What WorkerControl asks of the supervisor, with no processes behind it."""
+
+    def __init__(self) -> None:
+        self.pids: dict[str, int] = {"worker-0": 100}
+        self.signals: list[tuple[str, int]] = []
+        self.may_restart: Callable[[str], bool] = lambda name: True
+        self.on_settled: Callable[[str, int, bool], None] | None = None
+
+    def pid(self, name: str) -> int:
+        return self.pids[name]
+
+    def add(self, spec: Any) -> int:
+        self.pids[spec.name] = 100 + len(self.pids)
+        return self.pids[spec.name]
+
+    def send_signal(self, name: str, sig: int) -> bool:
+        self.signals.append((name, sig))
+        return True
+
+    def tail(self, name: str) -> list[str]:
+        return ["loading weights", "", "stuck on a lock"]
+
+
+def test_a_start_that_never_registers_times_out_as_failed() -> None:
+    supervisor = _FakeSupervisor()
+    pool = SimpleNamespace(connections={}, mark_draining=lambda name: True)
+    control = WorkerControl(supervisor, pool, lambda name, role: ChildSpec(name, ["true"]), ("agg",),
+                            [("worker-0", "agg")], start_timeout_s=0.05)
+    [rec] = control.start("agg", 1)
+    control.observe()
+    assert rec.state == "starting"
+    time.sleep(0.1)
+    control.observe()  # past its deadline, never registered; the launch worker has no deadline
+    assert (rec.state, control.records["worker-0"].state) == ("failed", "starting")
+    assert rec.reason == "did not register within 0.05 s: loading weights | stuck on a lock"
+    assert supervisor.signals == [(rec.name, signal.SIGKILL)]
+    assert not supervisor.may_restart(rec.name) and supervisor.may_restart("worker-0")
+    supervisor.on_settled(rec.name, -9, False)  # its exit keeps the reason it failed for
+    assert rec.state == "failed" and rec.reason.startswith("did not register")
+    assert control.snapshot()["replicas"] == {"agg": {"starting": 1, "serving": 0, "draining": 0}}
