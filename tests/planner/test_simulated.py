@@ -79,3 +79,14 @@ def test_planner_simulate_refuses_bad_flags(capsys) -> None:
     assert "--max-step" in capsys.readouterr().out
     assert main([*base, "--change", "10:add:agg"]) == 2
     assert main([*base, "--prefill", "1"]) == 2
+
+
+def test_a_forecaster_warm_started_from_a_trace_predicts_from_the_first_interval(tmp_path: Path) -> None:
+    from tokenmill.planner.setup import make_forecaster
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i * 1000, "input_length": 500, "output_length": 50,
+                                         "hash_ids": [i]}) + "\n" for i in range(301)))  # 1 req/s, 300 s
+    forecast = make_forecaster("moving_average", str(trace), 30.0).predict()
+    assert forecast.requests == 30 and forecast.isl == 500 and forecast.osl == 50
+    assert make_forecaster("moving_average").predict().requests == 0

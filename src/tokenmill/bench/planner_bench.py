@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deployments", default=DEFAULT_DEPLOYMENTS,
                         help="comma list of MODEL@GPU:precision:LAYOUT (aggregated) or "
                              "MODEL@GPU:precision:PREFILL_LAYOUT/DECODE_LAYOUT (disaggregated)")
-    parser.add_argument("--traces", default="azure-conv,azure-code", help="comma list: azure-conv, azure-code, or paths")
+    parser.add_argument("--traces", default="azure-conv,azure-code",
+                        help="comma list: azure-conv, azure-code, or paths")
     parser.add_argument("--rate-scale", type=float, default=8.0)
     parser.add_argument("--max-requests", type=int, default=None, help="the first N requests of each trace")
     parser.add_argument("--ttft-ms", type=float, default=1000.0)

@@ -4,8 +4,9 @@ The frontend compiles `response_format` and forced tool calls into an llguidance
 (`SamplingParams.grammar`). The engine gives each such request a matcher on admission; a runner
 asks `MaskComputer.start` for the batch's allowed-token masks before its forward pass and
 collects them after it. They are filled on one thread, without the GIL, so while a forward pass
-takes longer than the masks (it does, by orders of magnitude) they cost the step nothing. After sampling, each token advances its request's matcher (`advance`); a matcher that
-can take nothing more ends the request with `stop`.
+takes longer than the masks (it does, by orders of magnitude) they cost the step nothing. After
+sampling, each token advances its request's matcher (`advance`); a matcher that can take
+nothing more ends the request with `stop`.
 
 Invariant: a constrained request's matcher has consumed exactly the request's output so far. A
 migrated or imported request's prompt ends with tokens generated elsewhere (`output_offset`);

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.types import Receive
 
@@ -33,6 +34,7 @@ class ServingContext:
     max_body_bytes: int
     created: int
     tool_call_parser: str | None = None  # hermes, llama3_json; None: read from the chat template
+    planner: Any = None  # `serve --planner`: the in-process planner (planner/in_process.PlannerTask)
 
 
 def outcome(finish_reason: str | None) -> str:

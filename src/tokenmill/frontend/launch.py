@@ -105,13 +105,29 @@ async def run_http(args: argparse.Namespace, backend) -> None:
                                            http="httptools", access_log=False,
                                            timeout_graceful_shutdown=5))
     sockets = [shared_port_socket(args.host, args.port)] if args.reuse_port else None
+    planner = _start_planner(app, args)
     log.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
     if threading.current_thread() is threading.main_thread():
         # uvicorn shuts down on SIGTERM, then raises it again with the handler found before it
         # started: the default one would end the process before the callers' cleanup (stopping
         # the workers) runs; an exception unwinds through it instead.
         signal.signal(signal.SIGTERM, _exit_after_cleanup)
-    await server.serve(sockets=sockets)
+    try:
+        await server.serve(sockets=sockets)
+    finally:
+        if planner is not None:
+            await planner.close()
+
+
+def _start_planner(app, args: argparse.Namespace):
+    """`serve --planner MODE`: the planner in this process, its decisions at /admin/planner."""
+    if getattr(args, "planner_mode", None) is None:
+        return None
+    from tokenmill.planner.in_process import start
+
+    ctx = app.app.state.serving
+    ctx.planner = start(app, args, ctx.metrics.registry, api_keys(args).admin)
+    return ctx.planner
 
 
 def api_keys(args: argparse.Namespace) -> ApiKeys:

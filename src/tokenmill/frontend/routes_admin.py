@@ -177,6 +177,18 @@ def admin_router(ctx: ServingContext) -> APIRouter:
         pinned = bool(workers) and all(why is None for why in workers.values())
         return JSONResponse({"pinned": pinned, "num_tokens": len(ids), "workers": workers})
 
+    @router.get("/admin/planner")
+    async def planner_decisions(request: Request) -> JSONResponse:
+        if ctx.planner is None:
+            raise APIError(404, "no planner runs in this process (tokenmill serve --planner sla|load|hybrid)",
+                           code="not_found")
+        last = request.query_params.get("last", "50")
+        if not last.isdigit():
+            raise invalid_param("last", f"last must be a non-negative integer, got {last!r}")
+        decisions = ctx.planner.decisions()
+        return JSONResponse({"object": "list", "mode": ctx.planner.deployment.planner.mode,
+                             "data": decisions[-int(last):] if int(last) else []})
+
     @router.get("/admin/workers")
     async def list_workers() -> JSONResponse:
         return await _workers_route(ctx, "GET", b"")

@@ -39,7 +39,8 @@ class ToolCalling:
         """The grammar forcing a call (required, named); None when the model may answer freely."""
         if self.choice not in ("required", "named"):
             return None
-        functions = [t["function"] for t in self.tools if self.choice == "required" or t["function"]["name"] == self.name]
+        functions = [t["function"] for t in self.tools
+                     if self.choice == "required" or t["function"]["name"] == self.name]
         return checked(self.format.call_grammar(functions), "tool_choice")
 
 

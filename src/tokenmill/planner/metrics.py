@@ -38,7 +38,8 @@ class PlannerMetrics:
                           registry=registry)
         self.itl = Gauge("tokenmill_planner_expected_itl_seconds", "ITL the model expects at the target",
                          registry=registry)
-        self.decisions = Counter("tokenmill_planner_decisions", "planner decisions by kind", ["kind"], registry=registry)
+        self.decisions = Counter("tokenmill_planner_decisions", "planner decisions by kind", ["kind"],
+                                 registry=registry)
         self.gpu_hours = Counter("tokenmill_planner_gpu_hours", "GPU-hours of the replicas present, as observed",
                                  registry=registry)
 

@@ -42,4 +42,5 @@ class Observation:
         return sum(by_state.get(s, 0) for s in (states or (SERVING, STARTING)))
 
     def to_json(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__} | {"missing": self.missing}  # type: ignore[attr-defined]
+        fields = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return fields | {"missing": self.missing}

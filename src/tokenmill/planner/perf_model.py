@@ -88,7 +88,8 @@ class ReplicaModel:
         batch, step = self._decode_batch(isl + osl / 2.0)
         return Capacity(prefill_tokens_per_s=rho * peak, prefill_peak_tokens_per_s=peak, prefill_alone_s=alone,
                         prefill_utilisation=rho, decode_tokens_per_s=batch / step, decode_batch=batch,
-                        decode_step_s=step, ttft_feasible=feasible, itl_feasible=self.decode_step_seconds(1, isl) <= self.itl_s)
+                        decode_step_s=step, ttft_feasible=feasible,
+                        itl_feasible=self.decode_step_seconds(1, isl) <= self.itl_s)
 
     def _decode_batch(self, context: float) -> tuple[int, float]:
         """The largest batch within the ITL target and the KV cache (at least 1), and its step time."""

@@ -67,7 +67,8 @@ async def _run(args: argparse.Namespace, profiles, limits) -> int:
             print(f"error: --url {args.url}: cannot read /admin/workers ({exc})")
             return 2
         kv = None if args.kv_cache_blocks is None else {r: args.kv_cache_blocks * args.block_size for r in profiles}
-        planner = make_planner(profiles, "decode" in roles, args.planner_mode, make_forecaster(args.predictor), limits,
+        forecaster = make_forecaster(args.predictor, args.warm_start_trace, args.planner_interval_s)
+        planner = make_planner(profiles, "decode" in roles, args.planner_mode, forecaster, limits,
                                args.ttft_ms / 1e3, args.itl_ms / 1e3, args.max_num_seqs, args.max_num_batched_tokens,
                                kv)
         deployment = LiveDeployment(planner, client, args.planner_interval_s, args.warmup_s)

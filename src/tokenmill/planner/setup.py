@@ -17,12 +17,15 @@ from tokenmill.sim.fleet.clock import Profile, StepClock
 PREDICTORS = ("constant", "moving_average", "arima", "kalman")
 
 
-def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
+def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | None = "sla") -> None:
+    """The planner's flags; `default_mode` None: no planner unless --planner is given (serve)."""
     g = parser.add_argument_group("planner")
-    g.add_argument("--planner", dest="planner_mode", choices=MODES, default="sla",
+    g.add_argument("--planner", dest="planner_mode", choices=MODES, default=default_mode,
                    help="sla: forecast + performance model; load: latency/KV signals, +-1; hybrid: both")
     g.add_argument("--predictor", choices=PREDICTORS, default="kalman", help="the load forecaster")
     g.add_argument("--planner-interval-s", type=float, default=30.0, help="how often the planner decides")
+    g.add_argument("--warm-start-trace", default=None,
+                   help="feed the predictor this trace's history first (a path, or mooncake/azure-conv/azure-code)")
     g.add_argument("--warmup-s", type=float, default=60.0,
                    help="a replica's latency corrects the model once it has served this long")
     for role in ("agg", "prefill", "decode"):
@@ -45,12 +48,22 @@ def limits_from(args: argparse.Namespace) -> Limits:
                   scale_down_intervals=args.scale_down_intervals, scale_down_utilisation=args.scale_down_utilisation)
 
 
-def make_forecaster(name: str) -> Forecaster:
+def make_forecaster(name: str, warm_trace: str | None = None, interval_s: float = 30.0) -> Forecaster:
+    """The predictor; with `warm_trace`, it has already seen that trace's per-interval history."""
     from tokenmill.planner.predict import LoadPredictor
 
     if name not in PREDICTORS:
         raise ValueError(f"--predictor must be one of {', '.join(PREDICTORS)}, got {name!r}")
-    return LoadPredictor(name)
+    predictor = LoadPredictor(name)
+    if warm_trace is not None:
+        from tokenmill.planner.backtest import bucket_arrivals, resolve_trace
+        from tokenmill.sim.fleet.arrivals import load_trace
+
+        rows = load_trace(resolve_trace(warm_trace))
+        buckets = bucket_arrivals([r.arrival_s for r in rows], [r.input_tokens for r in rows],
+                                  [r.output_tokens for r in rows], interval_s)
+        predictor.warm_start(buckets.requests, buckets.isl, buckets.osl)
+    return predictor
 
 
 def make_planner(profiles: Mapping[str, Profile], disaggregated: bool, mode: str, forecaster: Forecaster,

@@ -70,9 +70,9 @@ def run_planned(config: FleetConfig, requests: list[TraceRequest], args: argpars
     limits = limits_from(args)
     if oracle:  # knowing the future, nothing to wait for before scaling down
         limits = dataclasses.replace(limits, scale_down_intervals=1, max_step=MAX_STATIC_REPLICAS)
-    planner = make_planner(config.profiles, config.disaggregated, args.planner_mode,
-                           forecaster or make_forecaster(args.predictor), limits, config.sla.ttft_s,
-                           config.sla.itl_s, config.max_num_seqs, config.max_num_batched_tokens,
+    forecaster = forecaster or make_forecaster(args.predictor, args.warm_start_trace, args.planner_interval_s)
+    planner = make_planner(config.profiles, config.disaggregated, args.planner_mode, forecaster, limits,
+                           config.sla.ttft_s, config.sla.itl_s, config.max_num_seqs, config.max_num_batched_tokens,
                            _kv_tokens(config))
     deployment = SimulatedDeployment(planner, args.planner_interval_s, args.warmup_s)
     sim = FleetSim(config)
@@ -169,7 +169,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         report["static_peak"] = {**_totals(static), "fleet": {r: getattr(static_config, r)
                                                               for r in ("agg", "prefill", "decode")}}
         report["gpu_hours_vs_oracle"] = planned.gpu_hours / max(oracle.gpu_hours, 1e-9)
-        report["gpu_hours_vs_static"] = planned.gpu_hours / max(float(static.totals["gpu_hours"]), 1e-9)  # type: ignore[arg-type]
+        static_hours = float(static.totals["gpu_hours"])  # type: ignore[arg-type]
+        report["gpu_hours_vs_static"] = planned.gpu_hours / max(static_hours, 1e-9)
     return report
 
 

@@ -26,8 +26,8 @@ def print_report(report: dict[str, Any]) -> None:
     if "gpu_hours_vs_oracle" in report:
         console.print(f"GPU-hours: {report['gpu_hours_vs_oracle']:.2f}x the oracle, "
                       f"{report['gpu_hours_vs_static']:.2f}x static peak provisioning")
-    console.print(f"{report['planned']['decisions_with_changes']} of {report['planned']['decisions']} decisions changed "
-                  "the fleet")
+    planned = report["planned"]
+    console.print(f"{planned['decisions_with_changes']} of {planned['decisions']} decisions changed the fleet")
 
 
 def write_outputs(report: dict[str, Any], args: argparse.Namespace) -> None:
