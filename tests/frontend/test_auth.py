@@ -11,6 +11,7 @@ import pytest
 from tests.frontend.conftest import MODEL_NAME, Served
 from tokenmill.frontend.app import create_app
 from tokenmill.frontend.auth import ApiKeys
+from tokenmill.frontend.errors import APIError
 
 KEY, ADMIN = "sk-test-1234", "admin-5678"
 COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
@@ -80,3 +81,15 @@ def test_keys_come_from_the_flags_then_the_environment(monkeypatch: pytest.Monke
     assert ApiKeys.resolve("flag", "adm") == ApiKeys("flag", "adm")
     monkeypatch.setenv("TOKENMILL_API_KEY", "")
     assert ApiKeys.resolve(None, None) == ApiKeys(None, None)  # an empty key is no key
+
+
+def test_unguarded_admin_routes_answer_loopback_clients_only() -> None:
+    keys = ApiKeys()
+    keys.check_origin("/admin/workers", "127.0.0.1")
+    keys.check_origin("/admin/workers", "::1")
+    keys.check_origin("/admin/workers", None)  # an in-process transport
+    keys.check_origin("/v1/models", "10.0.0.7")  # not an admin route
+    with pytest.raises(APIError) as err:
+        keys.check_origin("/admin/workers", "10.0.0.7")
+    assert err.value.status == 403
+    ApiKeys(admin="k").check_origin("/admin/workers", "10.0.0.7")  # with a key, the key decides

@@ -44,12 +44,15 @@ class HotRoutes:
             return
         handler = self.handlers.get(scope["path"])
         request = Request(scope, receive, send)
-        if self.keys.required_for(scope["path"]) is not None:  # (no key configured: no header parsing)
-            try:
+        try:
+            if self.keys.required_for(scope["path"]) is not None:  # (no key configured: no header parsing)
                 self.keys.check(scope["path"], request.headers.get("authorization"))
-            except APIError as exc:
-                await error_response(request, exc, self.count_error)(scope, receive, send)
-                return
+            elif scope["path"].startswith("/admin/"):
+                client = scope.get("client")
+                self.keys.check_origin(scope["path"], client[0] if client else None)
+        except APIError as exc:
+            await error_response(request, exc, self.count_error)(scope, receive, send)
+            return
         if handler is None:
             await self.app(scope, receive, send)
         elif self.access_log.active():
