@@ -35,6 +35,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "json_schema decoding vs plain on small-moe: ms per output token, the grammar's overhead per token"),
     ("planner", "tokenmill.bench.planner_bench",
      "the SLA planner in the fleet simulator: attainment and GPU-hours against static peak and an oracle"),
+    ("planner-live", "tokenmill.bench.planner_live_bench",
+     "the planner on a live mock fleet (serve --planner) vs a static fleet and the simulator's prediction"),
     ("fleet-agreement", "tokenmill.bench.fleet_agreement",
      "the live mock fleet (--mock-profile) against the fleet simulator on the same trace slice"),
     ("fleet-sim", "tokenmill.bench.fleet_sim_bench",

@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-ms", type=float, default=1000.0)
     parser.add_argument("--itl-ms", type=float, default=50.0)
     parser.add_argument("--replica-startup-s", type=float, default=60.0)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="per replica (wide-EP decode wants thousands)")
     parser.add_argument("--modes", default="sla,load,hybrid")
     parser.add_argument("--predictors", default="constant,moving_average,arima,kalman")
     parser.add_argument("--json", dest="json_out", type=Path, default=None)
@@ -50,7 +51,8 @@ def _args_for(deployment: str, trace: str, args: argparse.Namespace, mode: str, 
     gpu, precision, layout = (rest.split(":") + ["fp8", "tp1"])[:3]
     flags = ["--trace", _trace_path(trace), "--rate-scale", str(args.rate_scale), "--model", model, "--gpu", gpu,
              "--precision", precision, "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms),
-             "--replica-startup-s", str(args.replica_startup_s), "--planner", mode, "--predictor", predictor]
+             "--replica-startup-s", str(args.replica_startup_s), "--planner", mode, "--predictor", predictor,
+             "--max-num-seqs", str(args.max_num_seqs)]
     if "/" in layout:
         prefill, decode = layout.split("/")
         flags += ["--prefill", "1", "--decode", "1", "--prefill-layout", prefill, "--decode-layout", decode]

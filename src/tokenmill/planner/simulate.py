@@ -114,32 +114,38 @@ class OracleForecaster:
 
 
 def static_peak(config: FleetConfig, requests: list[TraceRequest], attainment: float,
-                ratio: float | None) -> tuple[FleetConfig, FleetResult]:
-    """The smallest fixed fleet reaching `attainment` (bisection on the decode or agg count; the
-    prefill pool kept at `ratio` × decode, rounded up)."""
+                ratio: float | None, start: int) -> tuple[FleetConfig, FleetResult]:
+    """The smallest fixed fleet reaching `attainment`, by bisection on the decode (or agg) count
+    from `start` (the planner's peak), the prefill pool kept at `ratio` x decode, rounded up. The
+    search stays near `start`: a fleet far too small makes a slow simulation of long queues."""
     def sized(n: int) -> FleetConfig:
         if config.disaggregated:
             return dataclasses.replace(config, prefill=max(1, math.ceil(n * (ratio or 1.0))), decode=n, changes=())
         return dataclasses.replace(config, agg=n, changes=())
 
-    def run(n: int) -> FleetResult:
+    def reaches(n: int) -> FleetResult | None:
         sim = FleetSim(sized(n))
         sim.run(requests)
-        return summarize(sim)
+        result = summarize(sim)
+        return result if float(result.totals["sla_attainment"]) >= attainment else None  # type: ignore[arg-type]
 
-    low, high, best = 0, 1, None
-    while True:  # double until it is enough
-        best = run(high)
-        if float(best.totals["sla_attainment"]) >= attainment or high >= MAX_STATIC_REPLICAS:  # type: ignore[arg-type]
-            break
-        low, high = high, high * 2
+    high = max(start, 1)
+    best = reaches(high)
+    while best is None and high < MAX_STATIC_REPLICAS:  # the planner's peak was not enough held fixed
+        high *= 2
+        best = reaches(high)
+    low = high // 2
+    while low >= 1 and (found := reaches(low)) is not None:  # the answer is below half the peak
+        high, best, low = low, found, low // 2
     while high - low > 1:
         mid = (low + high) // 2
-        result = run(mid)
-        if float(result.totals["sla_attainment"]) >= attainment:  # type: ignore[arg-type]
-            high, best = mid, result
+        found = reaches(mid)
+        if found is not None:
+            high, best = mid, found
         else:
             low = mid
+    if best is None:
+        raise ValueError(f"no fixed fleet up to {MAX_STATIC_REPLICAS} replicas reaches {attainment:.2%} attainment")
     return sized(high), best
 
 
@@ -164,7 +170,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_baselines:
         oracle = run_planned(config, requests, args, OracleForecaster(requests, args.planner_interval_s,
                                                                       config.replica_startup_s), oracle=True)
-        static_config, static = static_peak(config, requests, planned.attainment, peak_ratio(planned.decisions))
+        peak = max((d.target.get("decode", d.target.get("agg", 1)) for d in planned.decisions), default=1)
+        static_config, static = static_peak(config, requests, planned.attainment, peak_ratio(planned.decisions), peak)
         report["oracle"] = summary(oracle)
         report["static_peak"] = {**_totals(static), "fleet": {r: getattr(static_config, r)
                                                               for r in ("agg", "prefill", "decode")}}
