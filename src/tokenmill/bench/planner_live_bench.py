@@ -27,7 +27,7 @@ SERVED = "planner-live"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint for the mock workers' vocabulary (default: tiny-dense)")
     parser.add_argument("--profile", default="llama-3.1-70b@h100:fp8:tp4")
-    parser.add_argument("--trace", default="azure-conv")
+    parser.add_argument("--trace", default="azure", help="azure (conv), mooncake, or a Mooncake-format JSONL")
     parser.add_argument("--max-requests", type=int, default=400)
     parser.add_argument("--time-scale", type=float, default=0.1, help="arrival times x this (0.1: ten times denser)")
     parser.add_argument("--max-input-tokens", type=int, default=2048)
@@ -136,7 +136,11 @@ def _simulated(args: argparse.Namespace, trace: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     from tokenmill.bench.fleet_agreement import prepare_trace
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
 
     with tempfile.TemporaryDirectory(prefix="tokenmill-planner-live-") as tmp:
         work = Path(tmp)

@@ -3,8 +3,9 @@
     tokenmill planner simulate --trace azure-conv --rate-scale 8 --model llama-3.1-70b --gpu h100 \\
         --agg 2 --layout tp4 --ttft-ms 1000 --itl-ms 50 --json out.json --plot out.png
 
-The fleet starts as given (`--agg N` or `--prefill P --decode D`) and the planner resizes it every
-`--planner-interval-s`. Beside it, two baselines on the same trace:
+The fleet starts sized for the trace's opening load, as one already running when the trace
+begins would be (`--cold-start`: as given by `--agg N` or `--prefill P --decode D`), and the
+planner resizes it every `--planner-interval-s`. Beside it, two baselines on the same trace:
 - static peak: the smallest fixed fleet (the planner's peak prefill:decode ratio kept) whose SLA
   attainment over the whole trace reaches the planner's, found by bisection in the simulator;
 - oracle: the same planner told the true load of the coming intervals (up to one start-up
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.planner.decision import Decision
+from tokenmill.planner.observation import Observation
 from tokenmill.planner.planner import Forecaster
 from tokenmill.planner.setup import add_planner_arguments, limits_from, make_forecaster, make_planner
 from tokenmill.planner.simulated import SimulatedDeployment
@@ -51,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_fleet_arguments(parser)
     add_planner_arguments(parser)
     parser.add_argument("--no-baselines", action="store_true", help="skip the static-peak and oracle runs")
+    parser.add_argument("--cold-start", dest="provision_start", action="store_false",
+                        help="start from --agg/--prefill/--decode as given, not from the fleet the opening load needs")
 
 
 def initial_config(args: argparse.Namespace) -> FleetConfig:
@@ -63,6 +67,19 @@ def initial_config(args: argparse.Namespace) -> FleetConfig:
     if args.change:
         raise ValueError("--change: the planner makes the fleet's changes")
     return build_config(args)
+
+
+def provisioned_start(config: FleetConfig, requests: list[TraceRequest], args: argparse.Namespace) -> FleetConfig:
+    """The fleet sized for the trace's opening load, as a deployment already running when the
+    trace begins would be: what the planner proposes for the busiest interval within one start-up
+    delay of t = 0 (the oracle's view), within the limits' minimums."""
+    oracle = OracleForecaster(requests, args.planner_interval_s, config.replica_startup_s)
+    planner = make_planner(config.profiles, config.disaggregated, "sla", oracle, limits_from(args), config.sla.ttft_s,
+                           config.sla.itl_s, config.max_num_seqs, config.max_num_batched_tokens, _kv_tokens(config))
+    obs = Observation(at_s=0.0, interval_s=args.planner_interval_s)
+    wanted = planner.proposer.predictive(oracle.predict(), obs).replicas
+    sizes = {role: max(n, limits_from(args).minimum(role)) for role, n in wanted.items()}
+    return dataclasses.replace(config, **sizes)
 
 
 def run_planned(config: FleetConfig, requests: list[TraceRequest], args: argparse.Namespace,
@@ -164,6 +181,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
 
     config = initial_config(args)
     requests = load_requests(args)
+    if args.provision_start:
+        config = provisioned_start(config, requests, args)
     planned = run_planned(config, requests, args)
     report: dict[str, Any] = {"schema": SCHEMA, "mode": args.planner_mode, "predictor": args.predictor,
                               "planned": summary(planned), "decisions": [d.to_json() for d in planned.decisions]}
