@@ -92,7 +92,8 @@ def start(app: Any, args: argparse.Namespace, registry: Any, admin_key: str | No
     planner = make_planner({"agg": profile, "prefill": profile, "decode": profile}, disaggregated,
                            args.planner_mode, forecaster, limits_from(args),
                            args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3, args.max_num_seqs,
-                           args.max_num_batched_tokens, _kv_tokens(args))
+                           args.max_num_batched_tokens, _kv_tokens(args),
+                           (args.lookahead_s or 0.0) / args.planner_interval_s)
     if speedup != 1.0:
         for model in planner.proposer.models.values():
             model.clock = SpedUpClock(model.clock, speedup)  # type: ignore[assignment]

@@ -6,8 +6,10 @@ gives, for a replica of the deployment's model, GPU, precision and layout:
 - **prefill**: the prompt tokens per second it computes at full chunks (`max_num_batched_tokens`
   per step), and the time one prompt of the mean ISL takes alone (its chunks back to back). A
   pool kept at utilisation ρ has a mean queue wait of ρ·S / (2(1 − ρ)) for service time S
-  (M/D/1), so TTFT ≤ target holds for ρ ≤ 2x / (1 + 2x) with x = (target − S) / S; the
-  replica's capacity is that share of its full-chunk rate.
+  (M/D/1); the SLA is per request, so the wait that matters is the tail's, taken as
+  TAIL_FACTOR (ln 100: an exponential tail's 99th percentile) times the mean. TTFT ≤ target
+  then holds for ρ ≤ 2x / (TAIL_FACTOR + 2x) with x = (target − S) / S; the replica's capacity
+  is that share of its full-chunk rate.
 - **decode**: the largest batch whose step, at a mean context of ISL + OSL/2, stays within the
   ITL target and whose KV fits the replica's cache; capacity is that batch ÷ its step time, in
   output tokens per second.
@@ -26,6 +28,7 @@ from tokenmill.sim.fleet.clock import StepClock
 MAX_PREFILL_UTILISATION = 0.9  # beyond this a queue's wait explodes with any burst
 MIN_PREFILL_UTILISATION = 0.05  # when one prompt alone misses the target: still a number to plan with
 KV_HEADROOM = 0.9  # decode batches are sized to 90% of the KV cache (preemption beyond)
+TAIL_FACTOR = math.log(100.0)  # p99 wait / mean wait, for an exponential tail
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,7 +85,7 @@ class ReplicaModel:
         feasible = alone < self.ttft_s
         if feasible:
             x = (self.ttft_s - alone) / alone
-            rho = min(MAX_PREFILL_UTILISATION, 2 * x / (1 + 2 * x))
+            rho = min(MAX_PREFILL_UTILISATION, 2 * x / (TAIL_FACTOR + 2 * x))
         else:
             rho = MIN_PREFILL_UTILISATION
         batch, step = self._decode_batch(isl + osl / 2.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 from tokenmill.planner.constrain import Constrainer
@@ -29,8 +30,11 @@ class Forecaster(Protocol):
 
 class Planner:
     def __init__(self, forecaster: Forecaster, proposer: Proposer, constrainer: Constrainer,
-                 keep: int = 500) -> None:
+                 keep: int = 500, lookahead_intervals: float = 0.0) -> None:
         self.forecaster = forecaster
+        # a replica asked for now serves only after its start-up: size for the load then, carrying a
+        # rising forecast's step on that far (never a falling one: removals have their own rule)
+        self.lookahead = max(lookahead_intervals, 0.0)
         self.proposer = proposer
         self.constrainer = constrainer
         self.decisions: deque[Decision] = deque(maxlen=keep)
@@ -69,8 +73,11 @@ class Planner:
         self.forecaster.observe(float(obs.requests or 0), isl if obs.requests else None,
                                 osl if obs.requests else None)
         forecast = self.forecaster.predict()
-        decision.forecast = {"requests": forecast.requests, "isl": forecast.isl, "osl": forecast.osl}
-        proposal = self.proposer.propose(forecast, obs)
+        rise = max(forecast.requests - float(obs.requests or 0), 0.0)
+        ahead = _Load(forecast.requests + rise * self.lookahead, forecast.isl, forecast.osl)
+        decision.forecast = {"requests": forecast.requests, "isl": forecast.isl, "osl": forecast.osl,
+                             "requests_at_horizon": ahead.requests}
+        proposal = self.proposer.propose(ahead, obs)
         constrained = self.constrainer.apply(proposal.replicas, decision.current, _need(proposal))
         decision.proposed = dict(proposal.replicas)
         decision.target = constrained.replicas
@@ -80,6 +87,13 @@ class Planner:
         decision.expected_ttft_s, decision.expected_itl_s = proposal.expected_ttft_s, proposal.expected_itl_s
         decision.actions = [Action(role, n - decision.current.get(role, 0))
                             for role, n in sorted(constrained.replicas.items()) if n != decision.current.get(role, 0)]
+
+
+@dataclass(slots=True, frozen=True)
+class _Load:
+    requests: float
+    isl: float
+    osl: float
 
 
 def _need(proposal: Proposal) -> dict[str, float]:

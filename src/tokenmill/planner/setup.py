@@ -26,6 +26,8 @@ def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | N
     g.add_argument("--planner-interval-s", type=float, default=30.0, help="how often the planner decides")
     g.add_argument("--warm-start-trace", default=None,
                    help="feed the predictor this trace's history first (a path, or mooncake/azure-conv/azure-code)")
+    g.add_argument("--lookahead-s", type=float, default=None,
+                   help="size for the load this far ahead: a rising forecast's step carried on (default 0)")
     g.add_argument("--warmup-s", type=float, default=60.0,
                    help="a replica's latency corrects the model once it has served this long")
     for role in ("agg", "prefill", "decode"):
@@ -68,10 +70,11 @@ def make_forecaster(name: str, warm_trace: str | None = None, interval_s: float 
 
 def make_planner(profiles: Mapping[str, Profile], disaggregated: bool, mode: str, forecaster: Forecaster,
                  limits: Limits, ttft_s: float, itl_s: float, max_num_seqs: int, max_num_batched_tokens: int,
-                 kv_tokens: Mapping[str, int] | None = None) -> Planner:
+                 kv_tokens: Mapping[str, int] | None = None, lookahead_intervals: float = 0.0) -> Planner:
     roles = ("prefill", "decode") if disaggregated else ("agg",)
     models = {role: ReplicaModel(StepClock(profiles[role]), ttft_s, itl_s, max_num_seqs, max_num_batched_tokens,
                                  (kv_tokens or {}).get(role)) for role in roles}
     watts = max(m.clock.context.gpu.power_w for m in models.values())
     constrainer = Constrainer(limits, {role: m.gpus for role, m in models.items()}, watts)
-    return Planner(forecaster, Proposer(models, disaggregated, mode), constrainer)
+    return Planner(forecaster, Proposer(models, disaggregated, mode), constrainer,
+                   lookahead_intervals=lookahead_intervals)

@@ -88,9 +88,10 @@ def run_planned(config: FleetConfig, requests: list[TraceRequest], args: argpars
     if oracle:  # knowing the future, nothing to wait for before scaling down
         limits = dataclasses.replace(limits, scale_down_intervals=1, max_step=MAX_STATIC_REPLICAS)
     forecaster = forecaster or make_forecaster(args.predictor, args.warm_start_trace, args.planner_interval_s)
+    lookahead_s = 0.0 if oracle else (args.lookahead_s or 0.0)  # the oracle sees the start-up horizon itself
     planner = make_planner(config.profiles, config.disaggregated, args.planner_mode, forecaster, limits,
                            config.sla.ttft_s, config.sla.itl_s, config.max_num_seqs, config.max_num_batched_tokens,
-                           _kv_tokens(config))
+                           _kv_tokens(config), lookahead_s / args.planner_interval_s)
     deployment = SimulatedDeployment(planner, args.planner_interval_s, args.warmup_s)
     sim = FleetSim(config)
     sim.run(requests, controller=deployment.tick, tick_s=args.planner_interval_s)
