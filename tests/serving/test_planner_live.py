@@ -1,7 +1,7 @@
 """`tokenmill serve --planner sla`: real processes, mock workers priced as 405B on 8 H100s.
 
-The load (1,024-token prompts) runs at 3 req/s, doubles past what one replica sustains, then
-falls to 1 req/s. The planner must add a replica within two of its intervals of the rise, remove
+The load (1,024-token prompts) runs at 2 req/s, more than doubles past what one replica
+sustains, then falls to 0.5 req/s. The planner must add a replica within two of its intervals of the rise, remove
 it only after its sustained period once the load falls, and explain each change at
 /admin/planner; no request may fail or be cut short meanwhile.
 """
@@ -18,7 +18,9 @@ from tests.serving.conftest import Server, start_server, stop_server
 
 INTERVAL_S = 3.0
 SUSTAIN = 2  # decisions that must agree before a replica is removed
-PHASES = ((3.0, 12.0), (7.5, 15.0), (1.0, 21.0))  # (requests per second, seconds)
+# (requests per second, seconds): one replica sustains ~3.8 req/s of these at the 2 s TTFT target, so
+# the first phase fits one even if the host's own slowness makes the correction x1.5
+PHASES = ((2.0, 12.0), (4.5, 15.0), (0.5, 21.0))
 MAX_TOKENS = 4
 FLAGS = ("--runner", "mock", "--mock-profile", "llama-3.1-405b@h100:fp8:tp8", "--max-num-batched-tokens", "256",
          "--kv-cache-blocks", "2000", "--planner", "sla", "--predictor", "constant",
@@ -85,7 +87,7 @@ def test_the_planner_scales_a_live_fleet_up_and_down_and_explains_it(tiny_dense:
         assert choice["finish_reason"] == "length" and result["body"]["usage"]["completion_tokens"] == MAX_TOKENS
     assert "up" in marks, [d["reason"] for d in decisions]
     # the first interval after the rise may straddle it; the second is all of it (plus polling slack)
-    assert marks["up"] - marks["phase1"] <= 2 * INTERVAL_S + 1.5
+    assert 0 <= marks["up"] - marks["phase1"] <= 2 * INTERVAL_S + 1.5  # not before the rise
     assert "down" in marks and marks["down"] - marks["phase2"] >= (SUSTAIN - 1) * INTERVAL_S
     changed = [d for d in decisions if d["actions"]]
     assert changed and all(any(f"{a['delta']:+d} {a['role']}" in d["reason"] for a in d["actions"]) for d in changed)
