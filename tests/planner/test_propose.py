@@ -107,3 +107,12 @@ def test_corrections_are_bounded_and_need_warm_replicas() -> None:
     assert proposer.corrections.of("prefill") == pytest.approx(MAX_CORRECTION)  # 10x slower, bounded to 1.5x
     # no hit fraction observed: 10 x 4,000 / 10,000 = 4 prefill, 2.5 decode, each x1.5
     assert proposal.replicas == {"prefill": math.ceil(4.0 * MAX_CORRECTION), "decode": math.ceil(2.5 * MAX_CORRECTION)}
+
+
+def test_an_aggregated_replica_whose_prefill_chunks_break_the_itl_target_says_so() -> None:
+    clock = StepClock.from_text("llama-3.1-70b@h100:fp8:tp4")
+    proposer = Proposer({"agg": ReplicaModel(clock, 1.0, 0.06, max_num_batched_tokens=8192)}, disaggregated=False)
+    reasons = proposer.predictive(Load(60, 4000, 30), _obs()).reasons
+    assert any("full prefill chunk" in r and "disaggregate" in r for r in reasons)  # ~240 ms steps
+    small = Proposer({"agg": ReplicaModel(clock, 1.0, 0.06, max_num_batched_tokens=256)}, disaggregated=False)
+    assert not any("full prefill chunk" in r for r in small.predictive(Load(60, 4000, 30), _obs()).reasons)

@@ -43,6 +43,8 @@ class Capacity:
     decode_step_s: float  # that batch's step time
     ttft_feasible: bool  # one prompt alone fits the TTFT target
     itl_feasible: bool  # one sequence alone fits the ITL target
+    mixed_step_s: float = 0.0  # a full prefill chunk beside the decode batch: what an aggregated
+    # replica's streams wait while it prefills
 
 
 class ReplicaModel:
@@ -89,10 +91,13 @@ class ReplicaModel:
         else:
             rho = MIN_PREFILL_UTILISATION
         batch, step = self._decode_batch(isl + osl / 2.0)
+        mixed = self.clock.seconds(StepWork(
+            prefill_tokens=chunk, prefill_attended=StepWork.chunk_attended(cached, chunk), prefill_kv_tokens=cached + chunk,
+            decode_seqs=batch, decode_kv_tokens=int(batch * (isl + osl / 2.0)), sampled=batch + 1))
         return Capacity(prefill_tokens_per_s=rho * peak, prefill_peak_tokens_per_s=peak, prefill_alone_s=alone,
                         prefill_utilisation=rho, decode_tokens_per_s=batch / step, decode_batch=batch,
                         decode_step_s=step, ttft_feasible=feasible,
-                        itl_feasible=self.decode_step_seconds(1, isl) <= self.itl_s)
+                        itl_feasible=self.decode_step_seconds(1, isl) <= self.itl_s, mixed_step_s=mixed)
 
     def _decode_batch(self, context: float) -> tuple[int, float]:
         """The largest batch within the ITL target and the KV cache (at least 1), and its step time."""

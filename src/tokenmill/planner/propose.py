@@ -117,6 +117,10 @@ class Proposer:
         reasons = [f"agg: {rate:.2f} req/s needs {prefill_share:.2f} replicas of prefill time and "
                    f"{decode_share:.2f} of decode time (x{correction:.2f} observed) = {need:.2f}"]
         reasons += _infeasible(cap, "agg")
+        if cap.mixed_step_s > self.models["agg"].itl_s:
+            reasons.append(f"agg: a step with a full prefill chunk takes {cap.mixed_step_s * 1e3:.0f} ms, over the "
+                           f"ITL target: streams miss it whenever their replica prefills; more replicas do not "
+                           "fix that (disaggregate, or a smaller --max-num-batched-tokens)")
         replicas = {"agg": math.ceil(need - 1e-9)}
         return Proposal(replicas, reasons, *self._expected(cap, cap, prefill_share, replicas["agg"]), inputs)
 
