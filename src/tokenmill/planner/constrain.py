@@ -60,11 +60,18 @@ class Constrainer:
         self.below_for: dict[str, int] = {}
 
     def apply(self, wanted: Mapping[str, int], current: Mapping[str, int],
-              need: Mapping[str, float]) -> Constrained:
-        """`need`: each pool's load in replicas' worth (fractional), for the survivors rule."""
+              need: Mapping[str, float], over_target: Mapping[str, str] | None = None) -> Constrained:
+        """`need`: each pool's load in replicas' worth (fractional), for the survivors rule;
+        `over_target`: pools whose latency is over its target now (why), which lose no replica."""
         notes: list[str] = []
         out = {role: self._bounds(role, n, notes) for role, n in wanted.items()}
         for role, n in out.items():
+            why = (over_target or {}).get(role)
+            if why and n < current.get(role, 0):
+                notes.append(f"{role}: {n} wanted, keeping {current[role]}: {why}")
+                self.below_for[role] = 0
+                out[role] = current[role]
+                continue
             out[role] = self._scale_down(role, n, current.get(role, 0), need.get(role, 0.0), notes)
             out[role] = self._step(role, out[role], current.get(role, 0), notes)
         self._budgets(out, current, notes)

@@ -74,11 +74,16 @@ class Planner:
                                 osl if obs.requests else None)
         forecast = self.forecaster.predict()
         rise = max(forecast.requests - float(obs.requests or 0), 0.0)
-        ahead = _Load(forecast.requests + rise * self.lookahead, forecast.isl, forecast.osl)
+        # requests still queued are demand the next interval must serve too, beside the new ones
+        backlog = float(obs.queue_depth or 0)
+        ahead = _Load(forecast.requests + rise * self.lookahead + backlog, forecast.isl, forecast.osl)
         decision.forecast = {"requests": forecast.requests, "isl": forecast.isl, "osl": forecast.osl,
-                             "requests_at_horizon": ahead.requests}
+                             "requests_at_horizon": ahead.requests, "backlog": backlog}
         proposal = self.proposer.propose(ahead, obs)
-        constrained = self.constrainer.apply(proposal.replicas, decision.current, _need(proposal))
+        if backlog:
+            proposal.reasons.append(f"{self.proposer.roles[0]}: {backlog:.0f} requests queued, counted as demand")
+        constrained = self.constrainer.apply(proposal.replicas, decision.current, _need(proposal),
+                                             _over_target_of(self, obs))
         decision.proposed = dict(proposal.replicas)
         decision.target = constrained.replicas
         decision.proposal_reasons = proposal.reasons
@@ -94,6 +99,18 @@ class _Load:
     requests: float
     isl: float
     osl: float
+
+
+def _over_target_of(planner: "Planner", obs: Observation) -> dict[str, str]:
+        """Pools whose latency is over its target this interval: none of their replicas may go."""
+        ttft, itl = planner.proposer.targets()
+        out = {}
+        for role in planner.proposer.roles:
+            if role in ("prefill", "agg") and obs.ttft_p90_s is not None and obs.ttft_p90_s > ttft:
+                out[role] = f"TTFT p90 {obs.ttft_p90_s * 1e3:.0f} ms > {ttft * 1e3:.0f} ms"
+            elif role in ("decode", "agg") and obs.itl_p90_s is not None and obs.itl_p90_s > itl:
+                out[role] = f"ITL p90 {obs.itl_p90_s * 1e3:.1f} ms > {itl * 1e3:.1f} ms"
+        return out
 
 
 def _need(proposal: Proposal) -> dict[str, float]:

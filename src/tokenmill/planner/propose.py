@@ -65,6 +65,11 @@ class Proposer:
         self.mode = mode
         self.corrections = Corrections()
 
+    def targets(self) -> tuple[float, float]:
+        """(TTFT, ITL) targets in seconds."""
+        model = next(iter(self.models.values()))
+        return model.ttft_s, model.itl_s
+
     @property
     def roles(self) -> tuple[str, ...]:
         return ("prefill", "decode") if self.disaggregated else ("agg",)
