@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for worker sockets and the registry (default: a fresh temp dir)")
     parser.add_argument("--worker-start-timeout-s", type=float, default=300.0,
                         help="a worker started through /admin/workers that has not registered by then has failed")
-    from tokenmill.planner.in_process import add_serve_planner_arguments
+    from tokenmill.planner.flags import add_serve_planner_arguments
 
     add_serve_planner_arguments(parser)
 
@@ -62,9 +62,10 @@ def run(args: argparse.Namespace) -> int:
         resolve_mock_profile(engine_config_from_args(args), args.mock_profile)
         _check_topology(args)
         disagg_config(args)
-        from tokenmill.planner.in_process import check_flags
+        if args.planner_mode is not None:  # (the planner's modules load the simulator: only when asked)
+            from tokenmill.planner.in_process import check_flags
 
-        check_flags(args)
+            check_flags(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

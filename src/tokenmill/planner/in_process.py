@@ -17,25 +17,14 @@ import httpx
 
 from tokenmill.planner.live import LiveDeployment
 from tokenmill.planner.metrics import PlannerMetrics
-from tokenmill.planner.setup import add_planner_arguments, limits_from, make_forecaster, make_planner
+from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
 from tokenmill.sim.fleet.clock import StepClock, parse_profile
 
 log = logging.getLogger(__name__)
 
 
-def add_serve_planner_arguments(parser: argparse.ArgumentParser) -> None:
-    add_planner_arguments(parser, default_mode=None)
-    g = parser.add_argument_group("planner targets")
-    g.add_argument("--planner-profile", default=None,
-                   help="MODEL@GPU[:precision][:layout] of a replica for the planner's model (default: --mock-profile)")
-    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="the planner's TTFT target")
-    g.add_argument("--slo-itl-ms", type=float, default=50.0, help="the planner's ITL target")
-
-
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse bad planner flags before anything starts (ValueError naming the flag)."""
-    if args.planner_mode is None:
-        return
     limits_from(args)
     text = args.planner_profile or getattr(args, "mock_profile", None)
     if not text:

@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tokenmill.planner.flags import MODES
 from tokenmill.planner.observation import SERVING, Observation
 from tokenmill.planner.perf_model import Capacity, ReplicaModel
 
-MODES = ("sla", "load", "hybrid")
 MAX_CORRECTION = 1.5
 KV_HIGH, KV_LOW = 0.85, 0.40  # load mode: decode KV use that adds / allows removing a replica
 

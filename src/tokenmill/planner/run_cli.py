@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from tokenmill.planner.setup import add_planner_arguments, limits_from, make_forecaster, make_planner
+from tokenmill.planner.flags import add_planner_arguments
+from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
 from tokenmill.sim.fleet.clock import parse_profile
 
 

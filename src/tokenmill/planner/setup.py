@@ -11,35 +11,9 @@ from collections.abc import Mapping
 from tokenmill.planner.constrain import Constrainer, Limits
 from tokenmill.planner.perf_model import ReplicaModel
 from tokenmill.planner.planner import Forecaster, Planner
-from tokenmill.planner.propose import MODES, Proposer
+from tokenmill.planner.flags import PREDICTORS
+from tokenmill.planner.propose import Proposer
 from tokenmill.sim.fleet.clock import Profile, StepClock
-
-PREDICTORS = ("constant", "moving_average", "arima", "kalman")
-
-
-def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | None = "sla") -> None:
-    """The planner's flags; `default_mode` None: no planner unless --planner is given (serve)."""
-    g = parser.add_argument_group("planner")
-    g.add_argument("--planner", dest="planner_mode", choices=MODES, default=default_mode,
-                   help="sla: forecast + performance model; load: latency/KV signals, +-1; hybrid: both")
-    g.add_argument("--predictor", choices=PREDICTORS, default="kalman", help="the load forecaster")
-    g.add_argument("--planner-interval-s", type=float, default=30.0, help="how often the planner decides")
-    g.add_argument("--warm-start-trace", default=None,
-                   help="feed the predictor this trace's history first (a path, or mooncake/azure-conv/azure-code)")
-    g.add_argument("--lookahead-s", type=float, default=None,
-                   help="size for the load this far ahead: a rising forecast's step carried on (default 0)")
-    g.add_argument("--warmup-s", type=float, default=60.0,
-                   help="a replica's latency corrects the model once it has served this long")
-    for role in ("agg", "prefill", "decode"):
-        g.add_argument(f"--min-{role}", type=int, default=1)
-        g.add_argument(f"--max-{role}", type=int, default=None)
-    g.add_argument("--gpu-budget", type=int, default=None, help="GPUs across every pool, at most")
-    g.add_argument("--power-kw", type=float, default=None, help="kW across every pool, at most")
-    g.add_argument("--max-step", type=int, default=4, help="replicas added or removed per pool per decision")
-    g.add_argument("--scale-down-intervals", type=int, default=4,
-                   help="decisions in a row that must want fewer replicas before any is removed")
-    g.add_argument("--scale-down-utilisation", type=float, default=0.8,
-                   help="survivors' share of capacity after a removal, at most")
 
 
 def limits_from(args: argparse.Namespace) -> Limits:

@@ -22,7 +22,8 @@ from typing import Any
 from tokenmill.planner.decision import Decision
 from tokenmill.planner.observation import Observation
 from tokenmill.planner.planner import Forecaster
-from tokenmill.planner.setup import add_planner_arguments, limits_from, make_forecaster, make_planner
+from tokenmill.planner.flags import add_planner_arguments
+from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
 from tokenmill.planner.simulated import SimulatedDeployment
 from tokenmill.sim.fleet.arrivals import TraceRequest
 from tokenmill.sim.fleet.config import FleetConfig

@@ -1,0 +1,42 @@
+"""The planner's command-line flags, importable without the planner (serve parses them at start-up,
+and the performance model pulls in the simulator)."""
+from __future__ import annotations
+
+import argparse
+
+MODES = ("sla", "load", "hybrid")
+PREDICTORS = ("constant", "moving_average", "arima", "kalman")
+
+
+def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | None = "sla") -> None:
+    """The planner's flags; `default_mode` None: no planner unless --planner is given (serve)."""
+    g = parser.add_argument_group("planner")
+    g.add_argument("--planner", dest="planner_mode", choices=MODES, default=default_mode,
+                   help="sla: forecast + performance model; load: latency/KV signals, +-1; hybrid: both")
+    g.add_argument("--predictor", choices=PREDICTORS, default="kalman", help="the load forecaster")
+    g.add_argument("--planner-interval-s", type=float, default=30.0, help="how often the planner decides")
+    g.add_argument("--warm-start-trace", default=None,
+                   help="feed the predictor this trace's history first (a path, or mooncake/azure-conv/azure-code)")
+    g.add_argument("--lookahead-s", type=float, default=None,
+                   help="size for the load this far ahead: a rising forecast's step carried on (default 0)")
+    g.add_argument("--warmup-s", type=float, default=60.0,
+                   help="a replica's latency corrects the model once it has served this long")
+    for role in ("agg", "prefill", "decode"):
+        g.add_argument(f"--min-{role}", type=int, default=1)
+        g.add_argument(f"--max-{role}", type=int, default=None)
+    g.add_argument("--gpu-budget", type=int, default=None, help="GPUs across every pool, at most")
+    g.add_argument("--power-kw", type=float, default=None, help="kW across every pool, at most")
+    g.add_argument("--max-step", type=int, default=4, help="replicas added or removed per pool per decision")
+    g.add_argument("--scale-down-intervals", type=int, default=4,
+                   help="decisions in a row that must want fewer replicas before any is removed")
+    g.add_argument("--scale-down-utilisation", type=float, default=0.8,
+                   help="survivors' share of capacity after a removal, at most")
+
+
+def add_serve_planner_arguments(parser: argparse.ArgumentParser) -> None:
+    add_planner_arguments(parser, default_mode=None)
+    g = parser.add_argument_group("planner targets")
+    g.add_argument("--planner-profile", default=None,
+                   help="MODEL@GPU[:precision][:layout] of a replica for the planner's model (default: --mock-profile)")
+    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="the planner's TTFT target")
+    g.add_argument("--slo-itl-ms", type=float, default=50.0, help="the planner's ITL target")
