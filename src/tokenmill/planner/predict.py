@@ -23,6 +23,7 @@ module, `tokenmill --help` and the frontend stay fast.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -217,19 +218,19 @@ def _one_blas_thread() -> Any:
     busy host (two cores shared with other processes) a fit measured 5-25x slower with
     OpenBLAS's default threads than with one. Scoped, so the host's other numpy work keeps its
     threads."""
-    global _BLAS
-    if _BLAS is None:
-        try:
-            import scipy.linalg  # noqa: F401  (loads scipy's BLAS: the controller sees loaded ones only)
-            from threadpoolctl import ThreadpoolController
-        except ImportError:
-            _BLAS = False
-        else:
-            _BLAS = ThreadpoolController()
-    return _BLAS.limit(limits=1, user_api="blas") if _BLAS else contextlib.nullcontext()
+    controller = _blas_controller()
+    return controller.limit(limits=1, user_api="blas") if controller is not None else contextlib.nullcontext()
 
 
-_BLAS: Any = None  # threadpoolctl's controller, made on first use; False without threadpoolctl
+@functools.cache
+def _blas_controller() -> Any:
+    """threadpoolctl's controller, made once (None without threadpoolctl)."""
+    try:
+        import scipy.linalg  # noqa: F401  (loads scipy's BLAS: the controller sees loaded ones only)
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return None
+    return ThreadpoolController()
 
 
 def _is_trouble(category: type[Warning]) -> bool:

@@ -53,8 +53,7 @@ def _take(sample: Any, out: dict[str, Any], buckets: dict[str, dict[float, float
 
 
 def observe(before: Mapping[str, Any], after: Mapping[str, Any], at_s: float, interval_s: float,
-            workers: Iterable[Mapping[str, Any]], warmup_s: float, roles: Mapping[str, str] | None = None
-            ) -> Observation:
+            workers: Iterable[Mapping[str, Any]], warmup_s: float) -> Observation:
     """One interval from two `scrape`s and the `/admin/workers` list (name, role, state, started_at)."""
     obs = Observation(at_s=at_s, interval_s=interval_s)
     delta = {name: after[name] - before[name] for name in _COUNTERS}
