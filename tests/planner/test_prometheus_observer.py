@@ -63,3 +63,29 @@ def test_an_idle_interval_is_zero_traffic() -> None:
     text = generate_latest(m.registry).decode()
     obs = observe(scrape(text), scrape(text), at_s=30.0, interval_s=30.0, workers=WORKERS, warmup_s=60.0)
     assert obs.requests == 0 and obs.mean_isl is None and obs.ttft_p50_s is None and obs.missing == []
+
+
+def test_prompt_spread_and_the_busiest_second_come_from_the_frontend(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    now = [100.0]
+    monkeypatch.setattr("tokenmill.frontend.metrics.time.monotonic", lambda: now[0])
+    m = _metrics()
+    m.start_request(50).on_finish("success", 50, 10, 0)
+    now[0] = 101.0  # second 100 (50 tokens) is over at the next admission: before the interval
+    m.start_request(0)
+    before = scrape(generate_latest(m.registry).decode())
+    prompts, per_second = [], {}
+    for second, count, prompt in ((102, 3, 100), (103, 20, 300), (107, 2, 100), (108, 1, 100)):
+        for k in range(count):
+            now[0] = second + k / 100
+            m.start_request(prompt).on_finish("success", prompt, 10, 0)
+            prompts.append(prompt)
+            per_second[second] = per_second.get(second, 0) + prompt
+    obs = observe(before, scrape(generate_latest(m.registry).decode()), at_s=30.0, interval_s=30.0,
+                  workers=WORKERS, warmup_s=60.0)
+    assert obs.isl_cv2 == pytest.approx(np.var(prompts) / np.mean(prompts) ** 2)
+    # second 108 is still open; the busiest closed one (103: 6,000 tokens) is read back within its bucket
+    busiest = max(v for s, v in per_second.items() if s < 108)
+    assert busiest == 6000
+    assert busiest / 2 ** 0.5 <= obs.peak_prompt_tokens_per_s <= busiest * 2 ** 0.5

@@ -24,10 +24,10 @@ class FixedModel:
     """A replica with known capacities: 10,000 prompt tok/s at the TTFT target, 2,000 output tok/s."""
     ttft_s, itl_s, gpus = 1.0, 0.05, 4
 
-    def capacity(self, isl: float, osl: float, hit_fraction: float = 0.0) -> Capacity:
+    def capacity(self, isl: float, osl: float, hit_fraction: float = 0.0, variability: float = 0.5) -> Capacity:
         return Capacity(10_000.0, 12_000.0, 0.2, 0.8, 2_000.0, 64, 0.032, True, True)
 
-    def expected_ttft(self, isl: float, hit: float, utilisation: float) -> float:
+    def expected_ttft(self, isl: float, hit: float, utilisation: float, variability: float = 0.5) -> float:
         return 0.2
 
     def step_at_throughput(self, tokens_per_s: float, context: float) -> float:
@@ -116,3 +116,45 @@ def test_an_aggregated_replica_whose_prefill_chunks_break_the_itl_target_says_so
     assert any("full prefill chunk" in r and "disaggregate" in r for r in reasons)  # ~240 ms steps
     small = Proposer({"agg": ReplicaModel(clock, 1.0, 0.06, max_num_batched_tokens=256)}, disaggregated=False)
     assert not any("full prefill chunk" in r for r in small.predictive(Load(60, 4000, 30), _obs()).reasons)
+
+
+def test_spread_prompts_and_bursts_buy_prefill_headroom() -> None:
+    """v = ½ is the M/D/1 utilisation 2x/(ln 100 + 2x); spread prompts (a larger v) lower the
+    utilisation a prefill replica may run at; the busiest recent second sets a floor on the pool."""
+    model = ReplicaModel(StepClock.from_text("llama-3.1-70b@h100:fp8:tp4"), 1.0, 0.05)
+    equal = model.capacity(1200, 200, variability=0.5)
+    x = (1.0 - equal.prefill_alone_s) / equal.prefill_alone_s
+    assert equal.prefill_utilisation == pytest.approx(min(0.9, 2 * x / (math.log(100) + 2 * x)))
+    spread = model.capacity(1200, 200, variability=5.0)
+    assert spread.prefill_utilisation < equal.prefill_utilisation / 2
+    assert spread.decode_tokens_per_s == equal.decode_tokens_per_s  # decode is not a queue for prompts
+
+    def proposer() -> Proposer:
+        return Proposer({"prefill": model, "decode": model}, disaggregated=True)
+
+    load = Load(900, 1200, 200)
+    calm = proposer().propose(load, _obs(requests=900, isl_cv2=0.0))
+    spread_out = proposer().propose(load, _obs(requests=900, isl_cv2=3.0))
+    assert spread_out.replicas["prefill"] > calm.replicas["prefill"]
+    assert spread_out.replicas["decode"] == calm.replicas["decode"]
+    # a burst of 400k prompt tokens in one second: cleared within 1 s + ½ s at 90% of the peak rate
+    burst = proposer().propose(load, _obs(requests=900, isl_cv2=0.0, peak_prompt_tokens_per_s=400_000.0))
+    expected = 400_000 / 1.5 / (equal.prefill_peak_tokens_per_s * 0.9)
+    assert burst.replicas["prefill"] == math.ceil(expected) > calm.replicas["prefill"]
+    assert burst.replicas["decode"] == calm.replicas["decode"]
+    assert any("busiest second" in r for r in burst.reasons)
+
+
+def test_the_arrival_shape_holds_the_last_bursts_through_calm_intervals() -> None:
+    from tokenmill.planner.propose import ArrivalShape
+
+    shape = ArrivalShape(window=4)
+    assert shape.variability() == 0.5 and shape.peak_tokens_per_s() == 0.0  # nothing measured yet
+    shape.update(_obs(requests=3, isl_cv2=50.0))  # too few prompts to say anything
+    assert shape.variability() == 0.5
+    for cv2, peak in ((3.0, 90_000.0), (3.0, 5_000.0), (0.0, 4_000.0)):
+        shape.update(_obs(requests=100, isl_cv2=cv2, peak_prompt_tokens_per_s=peak))
+    assert shape.variability() == pytest.approx((1 + 2.0) / 2) and shape.peak_tokens_per_s() == 90_000.0
+    for _ in range(4):
+        shape.update(_obs(requests=100, isl_cv2=0.0, peak_prompt_tokens_per_s=4_000.0))
+    assert shape.variability() == pytest.approx(0.5) and shape.peak_tokens_per_s() == 4_000.0  # left the window

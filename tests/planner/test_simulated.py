@@ -3,7 +3,6 @@ intervals, a load that falls removes them after the sustained period, nothing is
 every change is explained. Then `tokenmill planner simulate` end to end, with its baselines."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -58,6 +57,11 @@ def test_the_planner_follows_a_doubling_and_a_fall_without_losing_a_request() ->
     for d in decisions:
         assert d.reason and (not d.actions or any(a.describe() in d.reason for a in d.actions))
     assert sum(1 for c in sim.change_log if c.action == "add") >= 1
+    # the observer's load shape: equal 8k prompts have no spread; the busiest second is whole prompts
+    busy = [d.observed for d in decisions if d.observed.requests and d.at_s <= 1200]
+    assert all(o.isl_cv2 == 0.0 for o in busy if o.requests >= 2)
+    assert all(o.peak_prompt_tokens_per_s % 8000 == 0 and o.peak_prompt_tokens_per_s >= 8000 for o in busy)
+    assert max(o.peak_prompt_tokens_per_s for o in busy) >= 3 * 8000  # Poisson at 4 req/s bunches up
 
 
 def test_planner_simulate_command_with_baselines(tmp_path: Path) -> None:

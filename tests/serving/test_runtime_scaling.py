@@ -202,6 +202,61 @@ def test_a_start_that_fails_is_reported_and_not_counted(agg: tuple[Server, Path]
     assert asyncio.run(completions(server, 2)) == [("length", 4)] * 2
 
 
+class _FixedLoad:
+    """A forecaster that always predicts the same load (the planner under test is the rest)."""
+
+    def observe(self, requests: float, isl: float | None, osl: float | None) -> None:
+        pass
+
+    def predict(self) -> Any:
+        from tokenmill.planner.predict import LoadForecast
+
+        return LoadForecast(10.0, 1000.0, 100.0, "fixed")  # 10 req/s at interval 1 s: two agg replicas
+
+
+def test_the_planner_retries_a_start_that_failed_and_never_counts_it(agg: tuple[Server, Path]) -> None:
+    """The local connector against a real serve: a failed start is reported as such (its POST
+    accepted, the worker `failed`), the next decision does not count it and asks again, and once a
+    start succeeds the planner holds."""
+    from tests.planner.test_propose import FixedModel
+    from tokenmill.planner.constrain import Constrainer, Limits
+    from tokenmill.planner.live import LiveDeployment
+    from tokenmill.planner.planner import Planner
+    from tokenmill.planner.propose import Proposer
+
+    server, model = agg
+    planner = Planner(_FixedLoad(), Proposer({"agg": FixedModel()}, disaggregated=False),
+                      Constrainer(Limits(), {"agg": 1}, 700.0))
+
+    async def scenario() -> list[Any]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, trust_env=False) as client:
+            live = LiveDeployment(planner, client, interval_s=1.0, warmup_s=0.0)
+            moved = model.rename(model.with_name("moved"))
+            try:
+                first = await live.tick()
+                failed = live.outcomes[-1].detail["started"][0]["name"]
+                await asyncio.to_thread(wait_for, server, state_is(failed, "failed"), 20)
+            finally:
+                moved.rename(model)
+            retry = await live.tick()
+            started = live.outcomes[-1].detail["started"][0]["name"]
+            await asyncio.to_thread(wait_for, server, state_is(started, "serving"), 30)
+            settled = await live.tick()
+            return [first, retry, settled, failed, started, list(live.outcomes)]
+
+    first, retry, settled, failed, started, outcomes = asyncio.run(scenario())
+    try:
+        assert first.current == {"agg": 1} and [(a.role, a.delta) for a in first.actions] == [("agg", 1)]
+        assert retry.current == {"agg": 1}, retry.reason  # the failed worker is not counted as present
+        assert [(a.role, a.delta) for a in retry.actions] == [("agg", 1)] and started != failed
+        assert settled.current == {"agg": 2} and settled.actions == [], settled.reason
+        assert [o.status for o in outcomes] == [202, 202]
+        assert workers(server)[failed]["state"] == "failed"
+    finally:
+        admin(server, {"action": "drain", "worker": started})
+        wait_for(server, lambda listed: started not in listed or listed[started]["state"] != "draining", 30)
+
+
 def test_a_reroled_worker_serves_in_its_new_role(tiny_dense: Path, tmp_path: Path) -> None:
     server = start_server(tiny_dense, tmp_path, "--runner", "mock", "--mock-step-time", "0.01,0,0,0",
                           "--prefill", "1", "--decode", "1", "--disagg-threshold", "0", workers=2)

@@ -53,7 +53,7 @@ class TokenStream:
     @classmethod
     async def open(cls, ctx: ServingContext, request_id: str, prompt: list[int], params: SamplingParams,
                    aliases: dict[str, str], follow: str | None = None) -> TokenStream:
-        timer = ctx.metrics.start_request()
+        timer = ctx.metrics.start_request(len(prompt))
         deadline = None if ctx.request_timeout_s is None else time.monotonic() + ctx.request_timeout_s
         source = ctx.backend.generate(request_id, prompt, params, deadline, follow=follow)
         try:

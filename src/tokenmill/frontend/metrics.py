@@ -31,6 +31,7 @@ _SERIES = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?$')
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     30.0, 60.0, 120.0)
+_TOKENS_PER_SECOND_BUCKETS = tuple(round(64 * 2 ** (k / 2)) for k in range(38))  # 64 .. ~12M, x1.41 apart
 RATE_WINDOW_S = 60.0
 
 
@@ -127,6 +128,25 @@ class _BackendCollector(Collector):
         return self.usd_per_worker_hour * workers / (tokens_per_s * 3600.0) * 1e6
 
 
+class PromptTokensPerSecond:
+    """Prompt tokens admitted in each whole second of the monotonic clock, observed into a
+    histogram once that second is over (at the next admission): its upper quantiles are the
+    busiest seconds, the bursts a prefill pool must clear within the TTFT target."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+        self.second: int | None = None
+        self.tokens = 0
+
+    def add(self, now: float, tokens: int) -> None:
+        second = int(now)
+        if second != self.second:
+            if self.second is not None:
+                self.histogram.observe(self.tokens)
+            self.second, self.tokens = second, 0
+        self.tokens += tokens
+
+
 class FrontendMetrics:
     def __init__(self, snapshot: Callable[[], dict[str, float]], usd_per_worker_hour: float | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -145,6 +165,12 @@ class FrontendMetrics:
         self.requests = Counter("tokenmill_requests", "finished requests by outcome", ["status"], registry=r)
         # demand where it is admitted: under backpressure completions lag and would hide it (the planner reads this)
         self.requests_started = Counter("tokenmill_requests_started", "generation requests admitted", registry=r)
+        # how spread the prompt lengths are and how bursty their arrival: the planner's prefill headroom
+        self.input_tokens_squared = Counter("tokenmill_input_tokens_squared", "sum of squared prompt lengths",
+                                            registry=r)
+        self.prompt_tokens_per_second = PromptTokensPerSecond(Histogram(
+            "tokenmill_prompt_tokens_per_second", "prompt tokens admitted in each second that admitted any",
+            buckets=_TOKENS_PER_SECOND_BUCKETS, registry=r))
         r.register(_BackendCollector(snapshot, self.output_rate, usd_per_worker_hour))
 
     def count_request(self, status: str) -> None:
@@ -154,9 +180,11 @@ class FrontendMetrics:
         labels = {429: "overloaded", 503: "unavailable"}
         self.count_request(labels.get(status, "error" if status >= 500 else "rejected"))
 
-    def start_request(self) -> RequestTimer:
+    def start_request(self, prompt_tokens: int = 0) -> RequestTimer:
+        now = time.monotonic()
         self.requests_started.inc()
-        return RequestTimer(self, time.monotonic())
+        self.prompt_tokens_per_second.add(now, prompt_tokens)
+        return RequestTimer(self, now)
 
 
 @dataclass(slots=True)
@@ -186,5 +214,6 @@ class RequestTimer:
         m.e2e.observe(time.monotonic() - self.arrival)
         m.count_request(status)
         m.input_tokens.inc(prompt_tokens)
+        m.input_tokens_squared.inc(prompt_tokens * prompt_tokens)
         m.output_tokens.inc(output_tokens)
         m.cached_tokens.inc(cached_tokens)

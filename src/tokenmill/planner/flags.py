@@ -18,7 +18,8 @@ def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | N
     g.add_argument("--warm-start-trace", default=None,
                    help="feed the predictor this trace's history first (a path, or mooncake/azure-conv/azure-code)")
     g.add_argument("--lookahead-s", type=float, default=None,
-                   help="size for the load this far ahead: a rising forecast's step carried on (default 0)")
+                   help="size for the load this far ahead: a rising forecast's step carried on "
+                        "(default: the replica start-up in the simulator; 0 live)")
     g.add_argument("--warmup-s", type=float, default=60.0,
                    help="a replica's latency corrects the model once it has served this long")
     for role in ("agg", "prefill", "decode"):

@@ -27,6 +27,8 @@ class Observation:
     queue_depth: int | None = None  # waiting for a replica or for KV
     queue_time_s: float | None = None  # mean wait before the first step
     decode_kv_usage: float | None = None  # mean over serving decode (or agg) replicas, 0..1
+    isl_cv2: float | None = None  # squared coefficient of variation of the prompt lengths (queueing headroom)
+    peak_prompt_tokens_per_s: float | None = None  # the busiest second's admitted prompt tokens (bursts)
     replicas: dict[str, dict[str, int]] = field(default_factory=dict)  # role -> state -> count
     warm_replicas: dict[str, int] = field(default_factory=dict)  # role -> serving past their warm-up
 
@@ -44,3 +46,12 @@ class Observation:
     def to_json(self) -> dict[str, Any]:
         fields = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
         return fields | {"missing": self.missing}
+
+
+def squared_cv(count: float, total: float, total_squares: float) -> float | None:
+    """Variance ÷ mean² of samples known by their count, sum and sum of squares (None for fewer
+    than two samples or a zero mean)."""
+    if count < 2 or total <= 0:
+        return None
+    mean = total / count
+    return max(total_squares / count / (mean * mean) - 1.0, 0.0)

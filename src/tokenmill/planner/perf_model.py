@@ -5,11 +5,14 @@ gives, for a replica of the deployment's model, GPU, precision and layout:
 
 - **prefill**: the prompt tokens per second it computes at full chunks (`max_num_batched_tokens`
   per step), and the time one prompt of the mean ISL takes alone (its chunks back to back). A
-  pool kept at utilisation ρ has a mean queue wait of ρ·S / (2(1 − ρ)) for service time S
-  (M/D/1); the SLA is per request, so the wait that matters is the tail's, taken as
-  TAIL_FACTOR (ln 100: an exponential tail's 99th percentile) times the mean. TTFT ≤ target
-  then holds for ρ ≤ 2x / (TAIL_FACTOR + 2x) with x = (target − S) / S; the replica's capacity
-  is that share of its full-chunk rate.
+  pool kept at utilisation ρ has a mean queue wait of ρ/(1 − ρ) · v · S for service time S,
+  where v = (ca² + cs²)/2 holds the squared coefficients of variation of the gaps between
+  arrivals and of the service times (Kingman's G/G/1 approximation; Poisson arrivals of equal
+  prompts, M/D/1, give v = ½). The SLA is per request, so the wait that matters is the tail's,
+  taken as TAIL_FACTOR (ln 100: an exponential tail's 99th percentile) times the mean. TTFT ≤
+  target then holds for ρ ≤ k / (1 + k) with k = x / (TAIL_FACTOR · v) and x = (target − S) / S;
+  the replica's capacity is that share of its full-chunk rate (the planner passes v from the
+  observed prompt spread; bursts it handles apart, `planner/propose.ArrivalShape`).
 - **decode**: the largest batch whose step, at a mean context of ISL + OSL/2, stays within the
   ITL target and whose KV fits the replica's cache; capacity is that batch ÷ its step time, in
   output tokens per second.
@@ -29,6 +32,7 @@ MAX_PREFILL_UTILISATION = 0.9  # beyond this a queue's wait explodes with any bu
 MIN_PREFILL_UTILISATION = 0.05  # when one prompt alone misses the target: still a number to plan with
 KV_HEADROOM = 0.9  # decode batches are sized to 90% of the KV cache (preemption beyond)
 TAIL_FACTOR = math.log(100.0)  # p99 wait / mean wait, for an exponential tail
+POISSON_VARIABILITY = 0.5  # (ca² + cs²)/2 for Poisson arrivals of equal prompts (M/D/1)
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,7 +82,8 @@ class ReplicaModel:
     def decode_step_seconds(self, batch: int, context: float) -> float:
         return self.clock.seconds(StepWork(decode_seqs=batch, decode_kv_tokens=int(batch * context), sampled=batch))
 
-    def capacity(self, isl: float, osl: float, hit_fraction: float = 0.0) -> Capacity:
+    def capacity(self, isl: float, osl: float, hit_fraction: float = 0.0,
+                 variability: float = POISSON_VARIABILITY) -> Capacity:
         uncached = max(1, round(isl * (1.0 - min(max(hit_fraction, 0.0), 1.0))))
         cached = max(0, round(isl) - uncached)
         alone = self.prefill_seconds(uncached, cached)
@@ -86,8 +91,8 @@ class ReplicaModel:
         peak = chunk / self.prefill_seconds(chunk, cached)
         feasible = alone < self.ttft_s
         if feasible:
-            x = (self.ttft_s - alone) / alone
-            rho = min(MAX_PREFILL_UTILISATION, 2 * x / (TAIL_FACTOR + 2 * x))
+            k = (self.ttft_s - alone) / alone / (TAIL_FACTOR * max(variability, 1e-3))
+            rho = min(MAX_PREFILL_UTILISATION, k / (1 + k))
         else:
             rho = MIN_PREFILL_UTILISATION
         batch, step = self._decode_batch(isl + osl / 2.0)
@@ -130,9 +135,15 @@ class ReplicaModel:
         batch = low if low / self.decode_step_seconds(low, context) >= tokens_per_s else high
         return self.decode_step_seconds(batch, context)
 
-    def expected_ttft(self, isl: float, hit_fraction: float, utilisation: float) -> float:
-        """Mean TTFT of a prefill pool at `utilisation` of its peak (M/D/1 wait plus service)."""
+    def expected_ttft(self, isl: float, hit_fraction: float, utilisation: float,
+                      variability: float = POISSON_VARIABILITY) -> float:
+        """Mean TTFT of a prefill pool at `utilisation` of its peak (Kingman's wait plus service)."""
         uncached = max(1, round(isl * (1.0 - hit_fraction)))
         alone = self.prefill_seconds(uncached, max(0, round(isl) - uncached))
-        rho = min(max(utilisation, 0.0), 0.99)
-        return alone + rho * alone / (2 * (1 - rho))
+        return alone + queue_wait(alone, utilisation, variability)
+
+
+def queue_wait(service_s: float, utilisation: float, variability: float) -> float:
+    """Kingman's mean wait of a G/G/1 queue: ρ/(1 − ρ) · (ca² + cs²)/2 · S (ρ capped at 0.99)."""
+    rho = min(max(utilisation, 0.0), 0.99)
+    return rho / (1 - rho) * variability * service_s

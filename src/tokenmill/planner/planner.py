@@ -102,15 +102,15 @@ class _Load:
 
 
 def _over_target_of(planner: "Planner", obs: Observation) -> dict[str, str]:
-        """Pools whose latency is over its target this interval: none of their replicas may go."""
-        ttft, itl = planner.proposer.targets()
-        out = {}
-        for role in planner.proposer.roles:
-            if role in ("prefill", "agg") and obs.ttft_p90_s is not None and obs.ttft_p90_s > ttft:
-                out[role] = f"TTFT p90 {obs.ttft_p90_s * 1e3:.0f} ms > {ttft * 1e3:.0f} ms"
-            elif role in ("decode", "agg") and obs.itl_p90_s is not None and obs.itl_p90_s > itl:
-                out[role] = f"ITL p90 {obs.itl_p90_s * 1e3:.1f} ms > {itl * 1e3:.1f} ms"
-        return out
+    """Pools whose latency is over its target this interval: none of their replicas may go."""
+    ttft, itl = planner.proposer.targets()
+    out = {}
+    for role in planner.proposer.roles:
+        if role in ("prefill", "agg") and obs.ttft_p90_s is not None and obs.ttft_p90_s > ttft:
+            out[role] = f"TTFT p90 {obs.ttft_p90_s * 1e3:.0f} ms > {ttft * 1e3:.0f} ms"
+        elif role in ("decode", "agg") and obs.itl_p90_s is not None and obs.itl_p90_s > itl:
+            out[role] = f"ITL p90 {obs.itl_p90_s * 1e3:.1f} ms > {itl * 1e3:.1f} ms"
+    return out
 
 
 def _need(proposal: Proposal) -> dict[str, float]:

@@ -5,7 +5,9 @@ Counters become per-interval deltas (a counter that went backwards means the fro
 the interval is then missing, not negative); latency quantiles come from the histogram buckets'
 deltas, interpolated within a bucket as Prometheus' `histogram_quantile` does. Demand is
 `tokenmill_requests_started_total` (counted at admission); ISL and OSL are the token counters
-over the requests that finished.
+over the requests that finished; the prompt lengths' squared coefficient of variation comes
+from their sum and sum of squares, and the busiest second's prompt tokens from the histogram
+of prompt tokens admitted per second.
 """
 from __future__ import annotations
 
@@ -15,11 +17,14 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.planner.observation import DRAINING, SERVING, STARTING, Observation
+from tokenmill.planner.observation import DRAINING, SERVING, STARTING, Observation, squared_cv
 
 _COUNTERS = ("tokenmill_requests_started_total", "tokenmill_input_tokens_total", "tokenmill_output_tokens_total",
-             "tokenmill_cached_tokens_total", "tokenmill_requests_total")
-_HISTOGRAMS = {"ttft": "tokenmill_time_to_first_token_seconds", "itl": "tokenmill_inter_token_latency_seconds"}
+             "tokenmill_cached_tokens_total", "tokenmill_requests_total", "tokenmill_input_tokens_squared_total")
+_HISTOGRAMS = {"ttft": "tokenmill_time_to_first_token_seconds", "itl": "tokenmill_inter_token_latency_seconds",
+               "prompt_tokens_per_s": "tokenmill_prompt_tokens_per_second"}
+_LATENCIES = ("ttft", "itl")
+PEAK_QUANTILE = 0.99  # of the interval's busy seconds: its busiest, within a bucket
 _WORKER_STATES = {"serving": SERVING, "starting": STARTING, "draining": DRAINING}
 
 
@@ -68,9 +73,14 @@ def observe(before: Mapping[str, Any], after: Mapping[str, Any], at_s: float, in
         obs.mean_osl = delta["tokenmill_output_tokens_total"] / finished
         if delta["tokenmill_input_tokens_total"] > 0:
             obs.hit_fraction = delta["tokenmill_cached_tokens_total"] / delta["tokenmill_input_tokens_total"]
-    for key, (p50, p90) in ((k, _quantiles(before["buckets"][k], after["buckets"][k])) for k in _HISTOGRAMS):
+        obs.isl_cv2 = squared_cv(finished, delta["tokenmill_input_tokens_total"],
+                                 delta["tokenmill_input_tokens_squared_total"])
+    for key in _LATENCIES:
+        p50, p90 = (_quantile_delta(q, before["buckets"][key], after["buckets"][key]) for q in (0.5, 0.9))
         setattr(obs, f"{key}_p50_s", p50)
         setattr(obs, f"{key}_p90_s", p90)
+    buckets = before["buckets"]["prompt_tokens_per_s"], after["buckets"]["prompt_tokens_per_s"]
+    obs.peak_prompt_tokens_per_s = _quantile_delta(PEAK_QUANTILE, *buckets)
     serving = {w["name"]: w for w in workers if w.get("state") == "serving"}
     gauges = after["workers"]
     decode_kv = [g["kv_usage"] for name, g in gauges.items() if name in serving and "kv_usage" in g
@@ -93,12 +103,13 @@ def _replicas(obs: Observation, workers: list[Mapping[str, Any]], at_s: float, w
             obs.warm_replicas[role] = obs.warm_replicas.get(role, 0) + 1
 
 
-def _quantiles(before: Mapping[float, float], after: Mapping[float, float]) -> tuple[float | None, float | None]:
+def _quantile_delta(q: float, before: Mapping[float, float], after: Mapping[float, float]) -> float | None:
+    """The q-quantile of what a histogram observed between two scrapes (None if nothing)."""
     bounds = sorted(after)
     counts = [after[b] - before.get(b, 0.0) for b in bounds]
     if not counts or counts[-1] <= 0 or any(c < 0 for c in counts):
-        return None, None
-    return _quantile(0.5, bounds, counts), _quantile(0.9, bounds, counts)
+        return None
+    return _quantile(q, bounds, counts)
 
 
 def _quantile(q: float, bounds: list[float], cumulative: list[float]) -> float:

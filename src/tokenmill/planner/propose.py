@@ -8,19 +8,25 @@ sla, disaggregated ("rate matching": the prefill:decode ratio follows the ISL/OS
 sla, aggregated: one pool whose replicas split their time, ⌈prefill share + decode share⌉.
 A replica's capacity is divided by the observed/expected latency ratio of its pool (bounded
 to [1/MAX_CORRECTION, MAX_CORRECTION], and only once a replica of that pool is past its warm-up).
+A prefill replica's capacity also shrinks with how spread the recent prompt lengths were (the v
+of the performance model's queue), and the prefill pool never drops below what clears the
+busiest recent second's prompt tokens within the TTFT target (`ArrivalShape`).
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokenmill.planner.flags import MODES
 from tokenmill.planner.observation import SERVING, Observation
-from tokenmill.planner.perf_model import Capacity, ReplicaModel
+from tokenmill.planner.perf_model import MAX_PREFILL_UTILISATION, POISSON_VARIABILITY, Capacity, ReplicaModel, queue_wait
 
 MAX_CORRECTION = 1.5
 KV_HIGH, KV_LOW = 0.85, 0.40  # load mode: decode KV use that adds / allows removing a replica
+BURST_WINDOW_S = 1.0  # bursts are measured as the busiest second's prompt tokens
+MIN_REQUESTS_FOR_SPREAD = 8  # fewer prompts than this say little about an interval's spread
 
 
 class Forecast(Protocol):
@@ -56,6 +62,38 @@ class Corrections:
         return self.ratio.get(role, 1.0)
 
 
+class ArrivalShape:
+    """How spread and how bursty the recent load was, over the last `window` intervals that
+    measured it (bursts come back: one calm interval must not drop the headroom the last burst
+    needed):
+
+    - `variability()`: (ca² + cs²)/2 of the prefill queue, with Poisson gaps (ca² = 1) and the
+      prompt lengths' cs² averaged over the window (Pollaczek-Khinchine's M/G/1); ½ until measured.
+      The gaps' own ca² is not used: a prefill replica batches a burst's prompts into one chunk,
+      so gaps far below a step cost nothing, and Kingman's formula on them over-provisions many
+      times over (measured on the Azure code trace). Bursts are the floor below instead;
+    - `peak_tokens_per_s()`: the busiest second's prompt tokens, the highest in the window.
+    """
+
+    def __init__(self, window: int = 10) -> None:
+        self.spreads: deque[float] = deque(maxlen=window)
+        self.peaks: deque[float] = deque(maxlen=window)
+
+    def update(self, obs: Observation) -> None:
+        if obs.peak_prompt_tokens_per_s is not None:
+            self.peaks.append(obs.peak_prompt_tokens_per_s)
+        if obs.isl_cv2 is not None and (obs.requests or 0) >= MIN_REQUESTS_FOR_SPREAD:
+            self.spreads.append(obs.isl_cv2)
+
+    def variability(self) -> float:
+        if not self.spreads:
+            return POISSON_VARIABILITY
+        return (1.0 + sum(self.spreads) / len(self.spreads)) / 2
+
+    def peak_tokens_per_s(self) -> float:
+        return max(self.peaks, default=0.0)
+
+
 class Proposer:
     def __init__(self, models: dict[str, ReplicaModel], disaggregated: bool, mode: str = "sla") -> None:
         if mode not in MODES:
@@ -64,6 +102,7 @@ class Proposer:
         self.disaggregated = disaggregated
         self.mode = mode
         self.corrections = Corrections()
+        self.shape = ArrivalShape()
 
     def targets(self) -> tuple[float, float]:
         """(TTFT, ITL) targets in seconds."""
@@ -75,6 +114,7 @@ class Proposer:
         return ("prefill", "decode") if self.disaggregated else ("agg",)
 
     def propose(self, forecast: Forecast, obs: Observation) -> Proposal:
+        self.shape.update(obs)
         self._correct(obs)
         if self.mode == "load":
             return self.reactive(obs)
@@ -91,7 +131,8 @@ class Proposer:
         rate = max(forecast.requests, 0.0) / obs.interval_s
         hit = obs.hit_fraction or 0.0
         isl, osl = max(forecast.isl, 1.0), max(forecast.osl, 1.0)
-        inputs: dict[str, Any] = {"rate_per_s": rate, "isl": isl, "osl": osl, "hit_fraction": hit}
+        inputs: dict[str, Any] = {"rate_per_s": rate, "isl": isl, "osl": osl, "hit_fraction": hit,
+                                  "variability": self.shape.variability()}
         if self.disaggregated:
             return self._disaggregated(rate, isl, osl, hit, inputs)
         return self._aggregated(rate, isl, osl, hit, inputs)
@@ -101,26 +142,47 @@ class Proposer:
         d_cap = self._capacity("decode", isl, osl, hit)
         p_need = rate * isl * (1 - hit) / (p_cap.prefill_tokens_per_s / self.corrections.of("prefill"))
         d_need = rate * osl / (d_cap.decode_tokens_per_s / self.corrections.of("decode"))
-        replicas = {"prefill": math.ceil(p_need - 1e-9), "decode": math.ceil(d_need - 1e-9)}
-        inputs.update(prefill_need=p_need, decode_need=d_need, prefill_capacity=_capacity_json(p_cap),
-                      decode_capacity=_capacity_json(d_cap), corrections=dict(self.corrections.ratio))
+        burst_need = self._burst_need(p_cap, hit) * self.corrections.of("prefill")
+        replicas = {"prefill": math.ceil(max(p_need, burst_need) - 1e-9), "decode": math.ceil(d_need - 1e-9)}
+        inputs.update(prefill_need=max(p_need, burst_need), decode_need=d_need, prefill_burst_need=burst_need,
+                      prefill_capacity=_capacity_json(p_cap), decode_capacity=_capacity_json(d_cap),
+                      corrections=dict(self.corrections.ratio))
         reasons = [f"prefill: {rate:.2f} req/s x {isl:.0f} ISL x {1 - hit:.2f} uncached / "
-                   f"{p_cap.prefill_tokens_per_s:,.0f} tok/s per replica = {p_need:.2f}",
+                   f"{p_cap.prefill_tokens_per_s:,.0f} tok/s per replica ({p_cap.prefill_utilisation:.0%} of its peak "
+                   f"for arrival/prompt variability {self.shape.variability():.2f}) = {p_need:.2f}",
                    f"decode: {rate:.2f} req/s x {osl:.0f} OSL / {d_cap.decode_tokens_per_s:,.0f} tok/s per replica "
                    f"(batch {d_cap.decode_batch}) = {d_need:.2f}"]
+        if burst_need > p_need:
+            reasons.append(self._burst_reason("prefill", burst_need))
         reasons += _infeasible(p_cap, "prefill") + _infeasible(d_cap, "decode")
         return Proposal(replicas, reasons, *self._expected(p_cap, d_cap, p_need, replicas["prefill"]), inputs)
+
+    def _burst_need(self, cap: Capacity, hit: float) -> float:
+        """Replicas whose peak rate clears the busiest recent second's prompt tokens within the
+        TTFT target: a pool at rate R holds a burst of A tokens arriving over one second to
+        TTFT ≤ A/R − ½ s on average over the second, so R ≥ A / (TTFT + ½ s)."""
+        ttft, _ = self.targets()
+        burst = self.shape.peak_tokens_per_s() * (1 - hit) / (ttft + BURST_WINDOW_S / 2)
+        return burst / (cap.prefill_peak_tokens_per_s * MAX_PREFILL_UTILISATION)
+
+    def _burst_reason(self, role: str, need: float) -> str:
+        return (f"{role}: the busiest second of the last {len(self.shape.peaks)} intervals brought "
+                f"{self.shape.peak_tokens_per_s():,.0f} prompt tokens; clearing it within the TTFT target "
+                f"takes {need:.2f} replicas")
 
     def _aggregated(self, rate: float, isl: float, osl: float, hit: float, inputs: dict[str, Any]) -> Proposal:
         cap = self._capacity("agg", isl, osl, hit)
         correction = max(self.corrections.of("agg"), self.corrections.of("agg:itl"))  # the slower side binds
-        prefill_share = rate * isl * (1 - hit) / cap.prefill_tokens_per_s
+        mean_share, burst_share = rate * isl * (1 - hit) / cap.prefill_tokens_per_s, self._burst_need(cap, hit)
+        prefill_share = max(mean_share, burst_share)
         decode_share = rate * osl / cap.decode_tokens_per_s
         need = (prefill_share + decode_share) * correction
         inputs.update(prefill_share=prefill_share, decode_share=decode_share, need=need,
                       capacity=_capacity_json(cap), corrections=dict(self.corrections.ratio))
         reasons = [f"agg: {rate:.2f} req/s needs {prefill_share:.2f} replicas of prefill time and "
                    f"{decode_share:.2f} of decode time (x{correction:.2f} observed) = {need:.2f}"]
+        if burst_share > mean_share:
+            reasons.append(self._burst_reason("agg", burst_share))
         reasons += _infeasible(cap, "agg")
         if cap.mixed_step_s > self.models["agg"].itl_s:
             reasons.append(f"agg: a step with a full prefill chunk takes {cap.mixed_step_s * 1e3:.0f} ms, over the "
@@ -131,7 +193,7 @@ class Proposer:
 
     def _expected(self, p_cap: Capacity, d_cap: Capacity, p_need: float, p_replicas: int) -> tuple[float, float]:
         utilisation = p_need * p_cap.prefill_utilisation / p_replicas if p_replicas else 0.0
-        ttft = p_cap.prefill_alone_s * (1 + utilisation / (2 * max(1 - utilisation, 0.01)))
+        ttft = p_cap.prefill_alone_s + queue_wait(p_cap.prefill_alone_s, utilisation, self.shape.variability())
         return ttft, d_cap.decode_step_s
 
     def reactive(self, obs: Observation) -> Proposal:
@@ -162,7 +224,7 @@ class Proposer:
         return (-1, "latency well inside the targets and KV below 40%") if quiet else (0, "")
 
     def _capacity(self, role: str, isl: float, osl: float, hit: float) -> Capacity:
-        return self.models[role].capacity(isl, osl, hit)
+        return self.models[role].capacity(isl, osl, hit, self.shape.variability())
 
     def _correct(self, obs: Observation) -> None:
         """Fold this interval's observed/expected latencies into the corrections (warm replicas
@@ -179,7 +241,8 @@ class Proposer:
             if role in ("prefill", "agg"):
                 cap = model.capacity(obs.mean_isl, obs.mean_osl, hit)
                 load = rate * obs.mean_isl * (1 - hit) / (serving * cap.prefill_peak_tokens_per_s)
-                self.corrections.update(role, obs.ttft_p50_s, model.expected_ttft(obs.mean_isl, hit, load), warm)
+                expected = model.expected_ttft(obs.mean_isl, hit, load, self.shape.variability())
+                self.corrections.update(role, obs.ttft_p50_s, expected, warm)
             if role in ("decode", "agg"):
                 step = model.step_at_throughput(rate * obs.mean_osl / serving, obs.mean_isl + obs.mean_osl / 2)
                 self.corrections.update(role + ":itl" if role == "agg" else role, obs.itl_p50_s, step, warm)

@@ -89,7 +89,9 @@ def run_planned(config: FleetConfig, requests: list[TraceRequest], args: argpars
     if oracle:  # knowing the future, nothing to wait for before scaling down
         limits = dataclasses.replace(limits, scale_down_intervals=1, max_step=MAX_STATIC_REPLICAS)
     forecaster = forecaster or make_forecaster(args.predictor, args.warm_start_trace, args.planner_interval_s)
-    lookahead_s = 0.0 if oracle else (args.lookahead_s or 0.0)  # the oracle sees the start-up horizon itself
+    # a replica asked for now serves after its start-up: size for then (the oracle sees that far itself)
+    lookahead_s = args.lookahead_s if args.lookahead_s is not None else config.replica_startup_s
+    lookahead_s = 0.0 if oracle else lookahead_s
     planner = make_planner(config.profiles, config.disaggregated, args.planner_mode, forecaster, limits,
                            config.sla.ttft_s, config.sla.itl_s, config.max_num_seqs, config.max_num_batched_tokens,
                            _kv_tokens(config), lookahead_s / args.planner_interval_s)
@@ -211,7 +213,7 @@ def summary(run: PlannedRun) -> dict[str, Any]:
 
 def _totals(result: FleetResult) -> dict[str, Any]:
     keys = ("requests", "finished", "rejected", "sla_attainment", "gpu_hours", "peak_gpus", "ttft_s_p50",
-            "ttft_s_p90", "ttft_s_p99", "itl_mean_s_p50", "itl_mean_s_p90", "itl_mean_s_p99", "cost_usd",
+            "ttft_s_p90", "ttft_s_p99", "itl_mean_s_p50", "itl_mean_s_p90", "itl_mean_s_p99", "ttft_miss_share", "itl_miss_share", "cost_usd",
             "usd_per_million_output_tokens", "goodput_requests_per_s")
     return {k: result.totals.get(k) for k in keys}
 

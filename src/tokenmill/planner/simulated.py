@@ -1,7 +1,8 @@
 """The simulated connector: the planner driving the fleet simulator under its virtual clock.
 
 Every interval the simulator calls `SimulatedDeployment.tick`: it builds the interval's
-`Observation` from the simulator's records (arrivals counted as admitted demand; latencies of
+`Observation` from the simulator's records (arrivals counted as admitted demand, with their
+prompts' spread and the busiest second's prompt tokens, as the live frontend exports; latencies of
 the requests that got their first token, or finished, in the interval; queue and KV from the
 replicas), hands it to the planner, and applies the decision's actions as fleet changes
 (started replicas serve after the fleet's start-up delay; removed ones drain). The planner
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tokenmill.planner.decision import Decision
-from tokenmill.planner.observation import DRAINING, SERVING, STARTING, Observation
+from tokenmill.planner.observation import DRAINING, SERVING, STARTING, Observation, squared_cv
 from tokenmill.planner.planner import Planner
 from tokenmill.sim.fleet.config import FleetChange
 from tokenmill.sim.fleet.fleet import FleetSim
@@ -52,8 +53,12 @@ class SimulatedDeployment:
         self._waiting = [r for r in waiting if r.first_token_s is None and not r.rejected]
         obs = Observation(at_s=sim.now, interval_s=self.interval_s, requests=len(arrived))
         if arrived:
-            obs.mean_isl = float(np.mean([r.input_tokens for r in arrived]))
+            isl = np.array([r.input_tokens for r in arrived], dtype=np.float64)
+            obs.mean_isl = float(isl.mean())
             obs.mean_osl = float(np.mean([r.output_tokens for r in arrived]))
+            obs.isl_cv2 = squared_cv(len(isl), float(isl.sum()), float((isl * isl).sum()))
+            seconds = np.floor([r.arrival_s for r in arrived]).astype(np.int64)
+            obs.peak_prompt_tokens_per_s = float(np.bincount(seconds - seconds.min(), weights=isl).max())
         self._latencies(obs, started, completed)
         self._replicas(obs, sim)
         return obs

@@ -1,7 +1,8 @@
 """Totals of a fleet simulation: latency percentiles, SLA attainment, goodput, cost and energy.
 
 - SLA attainment: the share of *all* requests (rejected ones count as misses) whose TTFT and
-  mean ITL are both within the targets; goodput is those requests per second of the run.
+  mean ITL are both within the targets; goodput is those requests per second of the run. The
+  TTFT and ITL miss shares say which target the misses broke (a request may break both).
 - GPU-hours: every replica from its creation (GPUs are held while it starts) to its retirement.
 - Cost per million output tokens: GPU-hours × price per GPU-hour ÷ output tokens × 10⁶.
 - Energy: each GPU draws its catalog power (`power_w`) while its replica steps and
@@ -76,6 +77,9 @@ def summarize(sim: FleetSim) -> FleetResult:
         **_percentiles([r.e2e_s for r in served if r.e2e_s is not None], "e2e_s"),
         "itl_mean_s": float(np.mean(itls)) if itls else None,
         "sla_attainment": len(within) / len(records) if records else 0.0,
+        "ttft_miss_share": sum(1 for r in served if (r.ttft_s or 0.0) > config.sla.ttft_s) / max(len(records), 1),
+        "itl_miss_share": sum(1 for r in served if r.itl_mean_s is not None and r.itl_mean_s > config.sla.itl_s)
+        / max(len(records), 1),
         "goodput_requests_per_s": len(within) / makespan,
         "preemptions": sum(r.preemptions for r in records),
         "disagg_decisions": dict(sorted((f"{d}/{why}", n) for (d, why), n in sim.policy.counts.items())),
