@@ -20,6 +20,9 @@ def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | N
     g.add_argument("--lookahead-s", type=float, default=None,
                    help="size for the load this far ahead: a rising forecast's step carried on "
                         "(default: the replica start-up in the simulator; 0 live)")
+    g.add_argument("--forecast-quantile", type=float, default=None,
+                   help="size for this quantile of the load given the forecaster's recent errors, e.g. 0.9 "
+                        "(default: the point forecast)")
     g.add_argument("--warmup-s", type=float, default=60.0,
                    help="a replica's latency corrects the model once it has served this long")
     for role in ("agg", "prefill", "decode"):

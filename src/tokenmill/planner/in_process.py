@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from tokenmill.planner.headroom import check_quantile
 from tokenmill.planner.live import LiveDeployment
 from tokenmill.planner.metrics import PlannerMetrics
 from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse bad planner flags before anything starts (ValueError naming the flag)."""
     limits_from(args)
+    check_quantile(args.forecast_quantile)
     text = args.planner_profile or getattr(args, "mock_profile", None)
     if not text:
         raise ValueError("--planner-profile: the planner needs a replica profile (or workers with --mock-profile)")
@@ -82,7 +84,7 @@ def start(app: Any, args: argparse.Namespace, registry: Any, admin_key: str | No
                            args.planner_mode, forecaster, limits_from(args),
                            args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3, args.max_num_seqs,
                            args.max_num_batched_tokens, _kv_tokens(args),
-                           (args.lookahead_s or 0.0) / args.planner_interval_s)
+                           (args.lookahead_s or 0.0) / args.planner_interval_s, args.forecast_quantile)
     if speedup != 1.0:
         for model in planner.proposer.models.values():
             model.clock = SpedUpClock(model.clock, speedup)  # type: ignore[assignment]

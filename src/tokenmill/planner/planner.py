@@ -16,6 +16,7 @@ from typing import Protocol
 
 from tokenmill.planner.constrain import Constrainer
 from tokenmill.planner.decision import Action, Decision
+from tokenmill.planner.headroom import ForecastErrors
 from tokenmill.planner.observation import Observation
 from tokenmill.planner.propose import Proposal, Proposer
 
@@ -30,8 +31,9 @@ class Forecaster(Protocol):
 
 class Planner:
     def __init__(self, forecaster: Forecaster, proposer: Proposer, constrainer: Constrainer,
-                 keep: int = 500, lookahead_intervals: float = 0.0) -> None:
+                 keep: int = 500, lookahead_intervals: float = 0.0, forecast_quantile: float | None = None) -> None:
         self.forecaster = forecaster
+        self.errors = ForecastErrors(forecast_quantile)
         # a replica asked for now serves only after its start-up: size for the load then, carrying a
         # rising forecast's step on that far (never a falling one: removals have their own rule)
         self.lookahead = max(lookahead_intervals, 0.0)
@@ -73,15 +75,21 @@ class Planner:
         self.forecaster.observe(float(obs.requests or 0), isl if obs.requests else None,
                                 osl if obs.requests else None)
         forecast = self.forecaster.predict()
+        self.errors.record(float(obs.requests or 0))
+        self.errors.expect(forecast.requests)
         rise = max(forecast.requests - float(obs.requests or 0), 0.0)
         # requests still queued are demand the next interval must serve too, beside the new ones
         backlog = float(obs.queue_depth or 0)
-        ahead = _Load(forecast.requests + rise * self.lookahead + backlog, forecast.isl, forecast.osl)
+        margin = self.errors.margin()
+        ahead = _Load(forecast.requests + rise * self.lookahead + backlog + margin, forecast.isl, forecast.osl)
         decision.forecast = {"requests": forecast.requests, "isl": forecast.isl, "osl": forecast.osl,
-                             "requests_at_horizon": ahead.requests, "backlog": backlog}
+                             "requests_at_horizon": ahead.requests, "backlog": backlog, "error_margin": margin}
         proposal = self.proposer.propose(ahead, obs)
         if backlog:
             proposal.reasons.append(f"{self.proposer.roles[0]}: {backlog:.0f} requests queued, counted as demand")
+        if margin:
+            proposal.reasons.append(f"{self.proposer.roles[0]}: +{margin:.0f} requests for the forecast's recent "
+                                    f"errors (their {self.errors.quantile:.0%} quantile)")
         constrained = self.constrainer.apply(proposal.replicas, decision.current, _need(proposal),
                                              _over_target_of(self, obs))
         decision.proposed = dict(proposal.replicas)

@@ -71,7 +71,7 @@ async def _run(args: argparse.Namespace, profiles, limits) -> int:
         forecaster = make_forecaster(args.predictor, args.warm_start_trace, args.planner_interval_s)
         planner = make_planner(profiles, "decode" in roles, args.planner_mode, forecaster, limits,
                                args.ttft_ms / 1e3, args.itl_ms / 1e3, args.max_num_seqs, args.max_num_batched_tokens,
-                               kv, (args.lookahead_s or 0.0) / args.planner_interval_s)
+                               kv, (args.lookahead_s or 0.0) / args.planner_interval_s, args.forecast_quantile)
         deployment = LiveDeployment(planner, client, args.planner_interval_s, args.warmup_s)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

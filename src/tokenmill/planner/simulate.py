@@ -94,7 +94,8 @@ def run_planned(config: FleetConfig, requests: list[TraceRequest], args: argpars
     lookahead_s = 0.0 if oracle else lookahead_s
     planner = make_planner(config.profiles, config.disaggregated, args.planner_mode, forecaster, limits,
                            config.sla.ttft_s, config.sla.itl_s, config.max_num_seqs, config.max_num_batched_tokens,
-                           _kv_tokens(config), lookahead_s / args.planner_interval_s)
+                           _kv_tokens(config), lookahead_s / args.planner_interval_s,
+                           None if oracle else args.forecast_quantile)
     deployment = SimulatedDeployment(planner, args.planner_interval_s, args.warmup_s)
     sim = FleetSim(config)
     sim.run(requests, controller=deployment.tick, tick_s=args.planner_interval_s)
