@@ -139,10 +139,14 @@ def test_spread_prompts_and_bursts_buy_prefill_headroom() -> None:
     assert spread_out.replicas["decode"] == calm.replicas["decode"]
     # a burst of 400k prompt tokens in one second: cleared within 1 s + ½ s at 90% of the peak rate
     burst = proposer().propose(load, _obs(requests=900, isl_cv2=0.0, peak_prompt_tokens_per_s=400_000.0))
-    expected = 400_000 / 1.5 / (equal.prefill_peak_tokens_per_s * 0.9)
+    expected = 400_000 / 1.5 / (model.full_chunk_tokens_per_s() * 0.9)
     assert burst.replicas["prefill"] == math.ceil(expected) > calm.replicas["prefill"]
     assert burst.replicas["decode"] == calm.replicas["decode"]
     assert any("busiest second" in r for r in burst.reasons)
+    # a forecast of nothing (ISL 1) after the burst: the floor is still the burst's, in full chunks
+    quiet = burst_proposer = proposer()
+    burst_proposer.propose(load, _obs(requests=900, peak_prompt_tokens_per_s=400_000.0))
+    assert quiet.propose(Load(0, 1, 1), _obs(requests=1, mean_isl=1.0)).replicas["prefill"] == math.ceil(expected)
 
 
 def test_the_arrival_shape_holds_the_last_bursts_through_calm_intervals() -> None:
@@ -158,3 +162,6 @@ def test_the_arrival_shape_holds_the_last_bursts_through_calm_intervals() -> Non
     for _ in range(4):
         shape.update(_obs(requests=100, isl_cv2=0.0, peak_prompt_tokens_per_s=4_000.0))
     assert shape.variability() == pytest.approx(0.5) and shape.peak_tokens_per_s() == 4_000.0  # left the window
+    for _ in range(4):
+        shape.update(_obs(requests=0))  # quiet intervals count as no burst, so zero traffic reaches the minimum
+    assert shape.peak_tokens_per_s() == 0.0

@@ -7,6 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
+
 from tokenmill.cli import main
 from tokenmill.planner.constrain import Limits
 from tokenmill.planner.setup import make_planner
@@ -75,6 +77,26 @@ def test_planner_simulate_command_with_baselines(tmp_path: Path) -> None:
     assert report["planned"]["sla_attainment"] > 0.9
     assert report["static_peak"]["sla_attainment"] >= report["planned"]["sla_attainment"]
     assert report["gpu_hours_vs_oracle"] > 0 and report["decisions"][0]["reason"]
+
+
+def test_bench_planner_puts_modes_and_predictors_beside_the_baselines(tmp_path: Path) -> None:
+    """A slice of the shipped Azure conv trace: one row per mode and per predictor, the ratios taken
+    against the sla row's baselines, and an oracle no larger than the load needs (an oracle that
+    sees no arrivals ahead must not size for prompts of one token)."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "planner", "--traces", "azure-conv", "--max-requests", "300", "--rate-scale", "1",
+                 "--modes", "sla,load", "--predictors", "constant,moving_average", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["predictor"]) for r in rows] == [("sla", "constant"), ("load", "constant"),
+                                                          ("sla", "moving_average")]
+    base = rows[0]
+    assert base["oracle"]["peak_replicas"] <= 2 * max(base["planned"]["peak_replicas"], 1)
+    assert 0.5 < base["gpu_hours_vs_oracle"] < 2.0
+    for row in rows:
+        assert 0.0 <= row["planned"]["sla_attainment"] <= 1.0 and row["planned"]["requests"] == 300
+        assert row["gpu_hours_vs_static"] == pytest.approx(row["planned"]["gpu_hours"]
+                                                           / base["static_peak"]["gpu_hours"])
 
 
 def test_planner_simulate_refuses_bad_flags(capsys) -> None:

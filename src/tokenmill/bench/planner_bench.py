@@ -121,14 +121,16 @@ def _print(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from tokenmill.planner.simulate_report import misses
+
     table = Table(title="bench planner (fleet simulator)")
-    for col in ("deployment", "trace", "mode", "predictor", "attainment", "GPU-h", "x oracle", "x static",
-                "oracle att.", "static fleet", "static att."):
+    for col in ("deployment", "trace", "mode", "predictor", "attainment", "TTFT / ITL misses", "GPU-h", "x oracle",
+                "x static", "oracle att.", "static fleet", "static att."):
         table.add_column(col, justify="left" if col in ("deployment", "trace", "mode", "predictor") else "right")
     for r in rows:
         p = r["planned"]
         static = r.get("static_peak")
-        table.add_row(r["deployment"], r["trace"], r["mode"], r["predictor"], f"{p['sla_attainment']:.2%}",
+        table.add_row(r["deployment"], r["trace"], r["mode"], r["predictor"], f"{p['sla_attainment']:.2%}", misses(p),
                       f"{p['gpu_hours']:.1f}", f"{r.get('gpu_hours_vs_oracle', float('nan')):.2f}",
                       f"{r.get('gpu_hours_vs_static', float('nan')):.2f}",
                       f"{r['oracle']['sla_attainment']:.2%}" if "oracle" in r else "",

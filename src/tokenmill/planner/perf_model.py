@@ -63,6 +63,7 @@ class ReplicaModel:
         self.max_num_seqs = max_num_seqs
         self.chunk = max_num_batched_tokens
         self.kv_tokens = kv_tokens if kv_tokens is not None else clock.kv_capacity_tokens()
+        self._full_chunk_rate: float | None = None
 
     @property
     def gpus(self) -> int:
@@ -78,6 +79,13 @@ class ReplicaModel:
                                                  prefill_kv_tokens=start + n, sampled=1 if done + n == tokens else 0))
             done += n
         return total
+
+    def full_chunk_tokens_per_s(self) -> float:
+        """Prompt tokens per second at full chunks of fresh prompts: the rate at which a backlog
+        of prompts is cleared (a step batches several short ones into one chunk)."""
+        if self._full_chunk_rate is None:
+            self._full_chunk_rate = self.chunk / self.prefill_seconds(self.chunk)
+        return self._full_chunk_rate
 
     def decode_step_seconds(self, batch: int, context: float) -> float:
         return self.clock.seconds(StepWork(decode_seqs=batch, decode_kv_tokens=int(batch * context), sampled=batch))

@@ -80,7 +80,9 @@ class ArrivalShape:
         self.peaks: deque[float] = deque(maxlen=window)
 
     def update(self, obs: Observation) -> None:
-        if obs.peak_prompt_tokens_per_s is not None:
+        if obs.requests == 0:
+            self.peaks.append(0.0)  # a quiet interval: zero traffic must reach the minimum in time
+        elif obs.peak_prompt_tokens_per_s is not None:
             self.peaks.append(obs.peak_prompt_tokens_per_s)
         if obs.isl_cv2 is not None and (obs.requests or 0) >= MIN_REQUESTS_FOR_SPREAD:
             self.spreads.append(obs.isl_cv2)
@@ -142,7 +144,7 @@ class Proposer:
         d_cap = self._capacity("decode", isl, osl, hit)
         p_need = rate * isl * (1 - hit) / (p_cap.prefill_tokens_per_s / self.corrections.of("prefill"))
         d_need = rate * osl / (d_cap.decode_tokens_per_s / self.corrections.of("decode"))
-        burst_need = self._burst_need(p_cap, hit) * self.corrections.of("prefill")
+        burst_need = self._burst_need("prefill", hit) * self.corrections.of("prefill")
         replicas = {"prefill": math.ceil(max(p_need, burst_need) - 1e-9), "decode": math.ceil(d_need - 1e-9)}
         inputs.update(prefill_need=max(p_need, burst_need), decode_need=d_need, prefill_burst_need=burst_need,
                       prefill_capacity=_capacity_json(p_cap), decode_capacity=_capacity_json(d_cap),
@@ -157,13 +159,13 @@ class Proposer:
         reasons += _infeasible(p_cap, "prefill") + _infeasible(d_cap, "decode")
         return Proposal(replicas, reasons, *self._expected(p_cap, d_cap, p_need, replicas["prefill"]), inputs)
 
-    def _burst_need(self, cap: Capacity, hit: float) -> float:
-        """Replicas whose peak rate clears the busiest recent second's prompt tokens within the
-        TTFT target: a pool at rate R holds a burst of A tokens arriving over one second to
+    def _burst_need(self, role: str, hit: float) -> float:
+        """Replicas whose full-chunk rate clears the busiest recent second's prompt tokens within
+        the TTFT target: a pool at rate R holds a burst of A tokens arriving over one second to
         TTFT ≤ A/R − ½ s on average over the second, so R ≥ A / (TTFT + ½ s)."""
-        ttft, _ = self.targets()
-        burst = self.shape.peak_tokens_per_s() * (1 - hit) / (ttft + BURST_WINDOW_S / 2)
-        return burst / (cap.prefill_peak_tokens_per_s * MAX_PREFILL_UTILISATION)
+        model = self.models[role]
+        burst = self.shape.peak_tokens_per_s() * (1 - hit) / (model.ttft_s + BURST_WINDOW_S / 2)
+        return burst / (model.full_chunk_tokens_per_s() * MAX_PREFILL_UTILISATION) if burst else 0.0
 
     def _burst_reason(self, role: str, need: float) -> str:
         return (f"{role}: the busiest second of the last {len(self.shape.peaks)} intervals brought "
@@ -173,7 +175,7 @@ class Proposer:
     def _aggregated(self, rate: float, isl: float, osl: float, hit: float, inputs: dict[str, Any]) -> Proposal:
         cap = self._capacity("agg", isl, osl, hit)
         correction = max(self.corrections.of("agg"), self.corrections.of("agg:itl"))  # the slower side binds
-        mean_share, burst_share = rate * isl * (1 - hit) / cap.prefill_tokens_per_s, self._burst_need(cap, hit)
+        mean_share, burst_share = rate * isl * (1 - hit) / cap.prefill_tokens_per_s, self._burst_need("agg", hit)
         prefill_share = max(mean_share, burst_share)
         decode_share = rate * osl / cap.decode_tokens_per_s
         need = (prefill_share + decode_share) * correction

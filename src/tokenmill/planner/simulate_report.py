@@ -12,14 +12,15 @@ def print_report(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(title=f"planner simulate: mode {report['mode']}, predictor {report['predictor']}")
-    for column in ("run", "SLA attainment", "GPU-hours", "peak GPUs", "TTFT p90 ms", "ITL p90 ms", "$/M out tok"):
+    for column in ("run", "SLA attainment", "TTFT / ITL misses", "GPU-hours", "peak GPUs", "TTFT p90 ms",
+                   "ITL p90 ms", "$/M out tok"):
         table.add_column(column, justify="left" if column == "run" else "right")
     for name in ("planned", "oracle", "static_peak"):
         row = report.get(name)
         if row is None:
             continue
         label = name if name != "static_peak" else f"static peak {_fleet(row['fleet'])}"
-        table.add_row(label, f"{row['sla_attainment']:.2%}", f"{row['gpu_hours']:.1f}", str(row["peak_gpus"]),
+        table.add_row(label, f"{row['sla_attainment']:.2%}", misses(row), f"{row['gpu_hours']:.1f}", str(row["peak_gpus"]),
                       _ms(row["ttft_s_p90"]), _ms(row["itl_mean_s_p90"]), _usd(row["usd_per_million_output_tokens"]))
     console = Console()
     console.print(table)
@@ -67,6 +68,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def misses(row: dict[str, Any]) -> str:
+    """The shares of requests over the TTFT and over the ITL target (which one the misses broke)."""
+    return f"{row.get('ttft_miss_share') or 0.0:.2%} / {row.get('itl_miss_share') or 0.0:.2%}"
 
 
 def _nan(value: float | None) -> float:
