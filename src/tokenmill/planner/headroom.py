@@ -2,8 +2,8 @@
 its point forecast.
 
 Each interval the request count that arrived is set against the forecast made for it one
-interval earlier; `upper(forecast)` adds the `quantile` of the recent errors (actual − forecast,
-in requests) to a new forecast. A steady load the predictor follows well gets almost nothing; a
+interval earlier; `margin()` is the `quantile` of the recent errors (actual − forecast, in
+requests), which the planner adds to a new forecast. A steady load the predictor follows well gets almost nothing; a
 volatile one (the Azure code trace's 30 s counts jump 0 → 500) gets headroom in proportion to how
 wrong the forecasts have been, which a 60 s replica start-up cannot otherwise make up. Errors are
 additive, not ratios, so a forecast near zero does not blow up. With no quantile (the default)

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 from tokenmill.planner.flags import MODES
 from tokenmill.planner.observation import SERVING, Observation
-from tokenmill.planner.perf_model import MAX_PREFILL_UTILISATION, POISSON_VARIABILITY, Capacity, ReplicaModel, queue_wait
+from tokenmill.planner.perf_model import (MAX_PREFILL_UTILISATION, POISSON_VARIABILITY, Capacity, ReplicaModel,
+                                          queue_wait)
 
 MAX_CORRECTION = 1.5
 KV_HIGH, KV_LOW = 0.85, 0.40  # load mode: decode KV use that adds / allows removing a replica
@@ -151,7 +152,7 @@ class Proposer:
                       corrections=dict(self.corrections.ratio))
         reasons = [f"prefill: {rate:.2f} req/s x {isl:.0f} ISL x {1 - hit:.2f} uncached / "
                    f"{p_cap.prefill_tokens_per_s:,.0f} tok/s per replica ({p_cap.prefill_utilisation:.0%} of its peak "
-                   f"for arrival/prompt variability {self.shape.variability():.2f}) = {p_need:.2f}",
+                   f"at queue variability {self.shape.variability():.2f} from the prompts' spread) = {p_need:.2f}",
                    f"decode: {rate:.2f} req/s x {osl:.0f} OSL / {d_cap.decode_tokens_per_s:,.0f} tok/s per replica "
                    f"(batch {d_cap.decode_batch}) = {d_need:.2f}"]
         if burst_need > p_need:

@@ -214,7 +214,8 @@ def summary(run: PlannedRun) -> dict[str, Any]:
 
 def _totals(result: FleetResult) -> dict[str, Any]:
     keys = ("requests", "finished", "rejected", "sla_attainment", "gpu_hours", "peak_gpus", "ttft_s_p50",
-            "ttft_s_p90", "ttft_s_p99", "itl_mean_s_p50", "itl_mean_s_p90", "itl_mean_s_p99", "ttft_miss_share", "itl_miss_share", "cost_usd",
+            "ttft_s_p90", "ttft_s_p99", "itl_mean_s_p50", "itl_mean_s_p90", "itl_mean_s_p99", "ttft_miss_share",
+            "itl_miss_share", "cost_usd",
             "usd_per_million_output_tokens", "goodput_requests_per_s")
     return {k: result.totals.get(k) for k in keys}
 

@@ -20,8 +20,8 @@ def print_report(report: dict[str, Any]) -> None:
         if row is None:
             continue
         label = name if name != "static_peak" else f"static peak {_fleet(row['fleet'])}"
-        table.add_row(label, f"{row['sla_attainment']:.2%}", misses(row), f"{row['gpu_hours']:.1f}", str(row["peak_gpus"]),
-                      _ms(row["ttft_s_p90"]), _ms(row["itl_mean_s_p90"]), _usd(row["usd_per_million_output_tokens"]))
+        table.add_row(label, f"{row['sla_attainment']:.2%}", misses(row), f"{row['gpu_hours']:.1f}",
+                      str(row["peak_gpus"]), _ms(row["ttft_s_p90"]), _ms(row["itl_mean_s_p90"]), _usd(row["usd_per_million_output_tokens"]))
     console = Console()
     console.print(table)
     if "gpu_hours_vs_oracle" in report:
