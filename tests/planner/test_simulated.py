@@ -116,3 +116,32 @@ def test_a_forecaster_warm_started_from_a_trace_predicts_from_the_first_interval
     forecast = make_forecaster("moving_average", str(trace), 30.0).predict()
     assert forecast.requests == 30 and forecast.isl == 500 and forecast.osl == 50
     assert make_forecaster("moving_average").predict().requests == 0
+
+
+def _burst_then_calm() -> list[TraceRequest]:
+    """60 prompts of 4k tokens in the first second, then one every 2 s for 5 minutes."""
+    times = [i / 60 for i in range(60)] + [1.0 + 2.0 * i for i in range(150)]
+    return [TraceRequest(f"r{i}", t, 4000, 50, (i,)) for i, t in enumerate(times)]
+
+
+def test_the_oracle_and_the_opening_fleet_know_the_bursts_ahead() -> None:
+    import argparse
+
+    from tokenmill.planner.simulate import OracleForecaster, add_arguments, initial_config, provisioned_start
+
+    requests = _burst_then_calm()
+    oracle = OracleForecaster(requests, INTERVAL, lookahead_s=60.0)
+    assert oracle.predict().peak_prompt_tokens_per_s == 60 * 4000  # the busiest second ahead
+    for _ in range(3):
+        oracle.observe(0, None, None)
+    assert oracle.predict().peak_prompt_tokens_per_s == 4000  # past the burst: one prompt a second at most
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = ["--model", "llama-3.1-70b", "--gpu", "h100", "--layout", "tp4", "--prefill", "1", "--decode", "1",
+             "--prefill-layout", "tp4", "--decode-layout", "tp4", "--ttft-ms", "1000"]
+    args = parser.parse_args(flags)
+    bursty = provisioned_start(initial_config(args), requests, args)
+    # the same prompts and the same count per interval, the first 60 spread over the first 30 s
+    spread = [dataclasses.replace(r, arrival_s=0.5 * i) if i < 60 else r for i, r in enumerate(requests)]
+    calm = provisioned_start(initial_config(parser.parse_args(flags)), spread, parser.parse_args(flags))
+    assert bursty.prefill > calm.prefill

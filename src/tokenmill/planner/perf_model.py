@@ -13,9 +13,12 @@ gives, for a replica of the deployment's model, GPU, precision and layout:
   target then holds for ρ ≤ k / (1 + k) with k = x / (TAIL_FACTOR · v) and x = (target − S) / S;
   the replica's capacity is that share of its full-chunk rate (the planner passes v from the
   observed prompt spread; bursts it handles apart, `planner/propose.ArrivalShape`).
-- **decode**: the largest batch whose step, at a mean context of ISL + OSL/2, stays within the
-  ITL target and whose KV fits the replica's cache; capacity is that batch ÷ its step time, in
-  output tokens per second.
+- **decode**: the largest batch whose step, at a mean context of ISL + OSL/2, stays within
+  DECODE_ITL_HEADROOM of the ITL target and whose KV fits the replica's cache; capacity is that
+  batch ÷ its step time, in output tokens per second. The headroom is there because the SLA
+  is per request: a pool run at a step of exactly the target misses it for every stream whose
+  batch holds longer contexts than the mean (and long outputs, staying longest, make the
+  time-average context of a batch longer than ISL + OSL/2).
 
 `ReplicaModel.capacity(isl, osl)` returns both with the numbers behind them, so a decision can
 say why a replica counts for what it counts.
@@ -31,6 +34,7 @@ from tokenmill.sim.fleet.clock import StepClock
 MAX_PREFILL_UTILISATION = 0.9  # beyond this a queue's wait explodes with any burst
 MIN_PREFILL_UTILISATION = 0.05  # when one prompt alone misses the target: still a number to plan with
 KV_HEADROOM = 0.9  # decode batches are sized to 90% of the KV cache (preemption beyond)
+DECODE_ITL_HEADROOM = 0.9  # ... and to a step of 90% of the ITL target
 TAIL_FACTOR = math.log(100.0)  # p99 wait / mean wait, for an exponential tail
 POISSON_VARIABILITY = 0.5  # (ca² + cs²)/2 for Poisson arrivals of equal prompts (M/D/1)
 
@@ -113,16 +117,17 @@ class ReplicaModel:
                         itl_feasible=self.decode_step_seconds(1, isl) <= self.itl_s, mixed_step_s=mixed)
 
     def _decode_batch(self, context: float) -> tuple[int, float]:
-        """The largest batch within the ITL target and the KV cache (at least 1), and its step time."""
+        """The largest batch within the ITL budget and the KV cache (at least 1), and its step time."""
+        budget = self.itl_s * DECODE_ITL_HEADROOM
         kv_limit = max(1, math.floor(self.kv_tokens * KV_HEADROOM / max(context, 1.0)))
         high = max(1, min(self.max_num_seqs, kv_limit))
         low = 1
-        if self.decode_step_seconds(high, context) <= self.itl_s:
+        if self.decode_step_seconds(high, context) <= budget:
             low = high
         else:
-            while high - low > 1:  # step time grows with the batch: bisect for the last one in target
+            while high - low > 1:  # step time grows with the batch: bisect for the last one in budget
                 mid = (low + high) // 2
-                if self.decode_step_seconds(mid, context) <= self.itl_s:
+                if self.decode_step_seconds(mid, context) <= budget:
                     low = mid
                 else:
                     high = mid

@@ -81,7 +81,8 @@ class Planner:
         # requests still queued are demand the next interval must serve too, beside the new ones
         backlog = float(obs.queue_depth or 0)
         margin = self.errors.margin()
-        ahead = _Load(forecast.requests + rise * self.lookahead + backlog + margin, forecast.isl, forecast.osl)
+        ahead = _Load(forecast.requests + rise * self.lookahead + backlog + margin, forecast.isl, forecast.osl,
+                      forecast.peak_prompt_tokens_per_s)
         decision.forecast = {"requests": forecast.requests, "isl": forecast.isl, "osl": forecast.osl,
                              "requests_at_horizon": ahead.requests, "backlog": backlog, "error_margin": margin}
         proposal = self.proposer.propose(ahead, obs)
@@ -107,6 +108,7 @@ class _Load:
     requests: float
     isl: float
     osl: float
+    peak_prompt_tokens_per_s: float | None = None
 
 
 def _over_target_of(planner: "Planner", obs: Observation) -> dict[str, str]:

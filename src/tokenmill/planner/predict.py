@@ -305,6 +305,7 @@ class LoadForecast:
     isl: float        # their mean input tokens
     osl: float        # their mean output tokens
     predictor: str    # the predictor kind that made it
+    peak_prompt_tokens_per_s: float | None = None  # the busiest second ahead, where it is known (the oracle)
 
 
 class LoadPredictor:

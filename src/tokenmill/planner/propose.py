@@ -10,7 +10,8 @@ A replica's capacity is divided by the observed/expected latency ratio of its po
 to [1/MAX_CORRECTION, MAX_CORRECTION], and only once a replica of that pool is past its warm-up).
 A prefill replica's capacity also shrinks with how spread the recent prompt lengths were (the v
 of the performance model's queue), and the prefill pool never drops below what clears the
-busiest recent second's prompt tokens within the TTFT target (`ArrivalShape`).
+busiest recent second's prompt tokens within the TTFT target beside the mean load
+(`ArrivalShape`; a clairvoyant forecast brings the coming one instead).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class Forecast(Protocol):
     requests: float
     isl: float
     osl: float
+    peak_prompt_tokens_per_s: float | None  # known only to a clairvoyant forecast; else from history
 
 
 @dataclass(slots=True)
@@ -136,16 +138,20 @@ class Proposer:
         isl, osl = max(forecast.isl, 1.0), max(forecast.osl, 1.0)
         inputs: dict[str, Any] = {"rate_per_s": rate, "isl": isl, "osl": osl, "hit_fraction": hit,
                                   "variability": self.shape.variability()}
+        known = forecast.peak_prompt_tokens_per_s  # a clairvoyant forecast's; otherwise the recent past's
+        peak = self.shape.peak_tokens_per_s() if known is None else known
+        inputs["burst_from"] = "recent intervals" if known is None else "the coming intervals"
         if self.disaggregated:
-            return self._disaggregated(rate, isl, osl, hit, inputs)
-        return self._aggregated(rate, isl, osl, hit, inputs)
+            return self._disaggregated(rate, isl, osl, hit, peak, inputs)
+        return self._aggregated(rate, isl, osl, hit, peak, inputs)
 
-    def _disaggregated(self, rate: float, isl: float, osl: float, hit: float, inputs: dict[str, Any]) -> Proposal:
+    def _disaggregated(self, rate: float, isl: float, osl: float, hit: float, peak: float,
+                       inputs: dict[str, Any]) -> Proposal:
         p_cap = self._capacity("prefill", isl, osl, hit)
         d_cap = self._capacity("decode", isl, osl, hit)
         p_need = rate * isl * (1 - hit) / (p_cap.prefill_tokens_per_s / self.corrections.of("prefill"))
         d_need = rate * osl / (d_cap.decode_tokens_per_s / self.corrections.of("decode"))
-        burst_need = self._burst_need("prefill", hit) * self.corrections.of("prefill")
+        burst_need = self._burst_need("prefill", rate * isl, hit, peak) * self.corrections.of("prefill")
         replicas = {"prefill": math.ceil(max(p_need, burst_need) - 1e-9), "decode": math.ceil(d_need - 1e-9)}
         inputs.update(prefill_need=max(p_need, burst_need), decode_need=d_need, prefill_burst_need=burst_need,
                       prefill_capacity=_capacity_json(p_cap), decode_capacity=_capacity_json(d_cap),
@@ -156,27 +162,31 @@ class Proposer:
                    f"decode: {rate:.2f} req/s x {osl:.0f} OSL / {d_cap.decode_tokens_per_s:,.0f} tok/s per replica "
                    f"(batch {d_cap.decode_batch}) = {d_need:.2f}"]
         if burst_need > p_need:
-            reasons.append(self._burst_reason("prefill", burst_need))
+            reasons.append(self._burst_reason("prefill", peak, burst_need, inputs))
         reasons += _infeasible(p_cap, "prefill") + _infeasible(d_cap, "decode")
         return Proposal(replicas, reasons, *self._expected(p_cap, d_cap, p_need, replicas["prefill"]), inputs)
 
-    def _burst_need(self, role: str, hit: float) -> float:
-        """Replicas whose full-chunk rate clears the busiest recent second's prompt tokens within
-        the TTFT target: a pool at rate R holds a burst of A tokens arriving over one second to
-        TTFT ≤ A/R − ½ s on average over the second, so R ≥ A / (TTFT + ½ s)."""
+    def _burst_need(self, role: str, mean_tokens_per_s: float, hit: float, peak: float) -> float:
+        """Replicas whose full-chunk rate clears a busiest second of `peak` prompt tokens within
+        the TTFT target while the mean load goes on: the excess E = A − λ of a one-second burst
+        over the mean rate λ is cleared by what the pool has beyond λ, so R ≥ λ + E / (TTFT + ½ s)
+        (the burst's last arrival then waits TTFT − ½ s, leaving ½ s for its own prefill)."""
         model = self.models[role]
-        burst = self.shape.peak_tokens_per_s() * (1 - hit) / (model.ttft_s + BURST_WINDOW_S / 2)
-        return burst / (model.full_chunk_tokens_per_s() * MAX_PREFILL_UTILISATION) if burst else 0.0
+        mean, burst = mean_tokens_per_s * (1 - hit), peak * (1 - hit)
+        if burst <= 0:
+            return 0.0
+        rate = mean + max(burst - mean, 0.0) / (model.ttft_s + BURST_WINDOW_S / 2)
+        return rate / (model.full_chunk_tokens_per_s() * MAX_PREFILL_UTILISATION)
 
-    def _burst_reason(self, role: str, need: float) -> str:
-        return (f"{role}: the busiest second of the last {len(self.shape.peaks)} intervals brought "
-                f"{self.shape.peak_tokens_per_s():,.0f} prompt tokens; clearing it within the TTFT target "
-                f"takes {need:.2f} replicas")
+    def _burst_reason(self, role: str, peak: float, need: float, inputs: dict[str, Any]) -> str:
+        return (f"{role}: the busiest second of {inputs['burst_from']} brings {peak:,.0f} prompt tokens; "
+                f"clearing it within the TTFT target takes {need:.2f} replicas")
 
-    def _aggregated(self, rate: float, isl: float, osl: float, hit: float, inputs: dict[str, Any]) -> Proposal:
+    def _aggregated(self, rate: float, isl: float, osl: float, hit: float, peak: float,
+                    inputs: dict[str, Any]) -> Proposal:
         cap = self._capacity("agg", isl, osl, hit)
         correction = max(self.corrections.of("agg"), self.corrections.of("agg:itl"))  # the slower side binds
-        mean_share, burst_share = rate * isl * (1 - hit) / cap.prefill_tokens_per_s, self._burst_need("agg", hit)
+        mean_share, burst_share = rate * isl * (1 - hit) / cap.prefill_tokens_per_s, self._burst_need("agg", rate * isl, hit, peak)
         prefill_share = max(mean_share, burst_share)
         decode_share = rate * osl / cap.decode_tokens_per_s
         need = (prefill_share + decode_share) * correction
@@ -185,7 +195,7 @@ class Proposer:
         reasons = [f"agg: {rate:.2f} req/s needs {prefill_share:.2f} replicas of prefill time and "
                    f"{decode_share:.2f} of decode time (x{correction:.2f} observed) = {need:.2f}"]
         if burst_share > mean_share:
-            reasons.append(self._burst_reason("agg", burst_share))
+            reasons.append(self._burst_reason("agg", peak, burst_share, inputs))
         reasons += _infeasible(cap, "agg")
         if cap.mixed_step_s > self.models["agg"].itl_s:
             reasons.append(f"agg: a step with a full prefill chunk takes {cap.mixed_step_s * 1e3:.0f} ms, over the "

@@ -24,7 +24,7 @@ from tokenmill.planner.observation import Observation
 from tokenmill.planner.planner import Forecaster
 from tokenmill.planner.flags import add_planner_arguments
 from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
-from tokenmill.planner.simulated import SimulatedDeployment
+from tokenmill.planner.simulated import SimulatedDeployment, observe_arrivals
 from tokenmill.sim.fleet.arrivals import TraceRequest
 from tokenmill.sim.fleet.config import FleetConfig
 from tokenmill.sim.fleet.fleet import FleetSim
@@ -73,10 +73,15 @@ def initial_config(args: argparse.Namespace) -> FleetConfig:
 def provisioned_start(config: FleetConfig, requests: list[TraceRequest], args: argparse.Namespace) -> FleetConfig:
     """The fleet sized for the trace's opening load, as a deployment already running when the
     trace begins would be: what the planner proposes for the busiest interval within one start-up
-    delay of t = 0 (the oracle's view), within the limits' minimums."""
+    delay of t = 0 (the oracle's view, which includes that window's busiest second), with the
+    prompts' spread of that window, within the limits' minimums."""
     oracle = OracleForecaster(requests, args.planner_interval_s, config.replica_startup_s)
     planner = make_planner(config.profiles, config.disaggregated, "sla", oracle, limits_from(args), config.sla.ttft_s,
                            config.sla.itl_s, config.max_num_seqs, config.max_num_batched_tokens, _kv_tokens(config))
+    window_s = oracle.ahead * args.planner_interval_s
+    opening = observe_arrivals(Observation(at_s=0.0, interval_s=window_s),
+                               [r for r in requests if r.arrival_s < window_s])
+    planner.proposer.shape.update(opening)
     obs = Observation(at_s=0.0, interval_s=args.planner_interval_s)
     wanted = planner.proposer.predictive(oracle.predict(), obs).replicas
     sizes = {role: max(n, limits_from(args).minimum(role)) for role, n in wanted.items()}
@@ -110,7 +115,9 @@ def _kv_tokens(config: FleetConfig) -> dict[str, int] | None:
 
 class OracleForecaster:
     """The true load instead of a forecast: the busiest interval within one start-up delay ahead
-    (a replica asked for now serves only then), with that interval's mean ISL and OSL."""
+    (a replica asked for now serves only then), with that interval's mean ISL and OSL, and the
+    busiest second of that whole window (so the oracle's prefill pool is sized for the bursts
+    to come, not for those of the past)."""
 
     def __init__(self, requests: list[TraceRequest], interval_s: float, lookahead_s: float) -> None:
         self.interval_s = interval_s
@@ -132,7 +139,8 @@ class OracleForecaster:
             return LoadForecast(0.0, 1.0, 1.0, "oracle")
         isl = sum(r.input_tokens for r in busiest) / len(busiest)
         osl = sum(r.output_tokens for r in busiest) / len(busiest)
-        return LoadForecast(float(len(busiest)), isl, osl, "oracle")
+        coming = observe_arrivals(Observation(at_s=0.0, interval_s=self.interval_s), [r for w in window for r in w])
+        return LoadForecast(float(len(busiest)), isl, osl, "oracle", coming.peak_prompt_tokens_per_s)
 
 
 def static_peak(config: FleetConfig, requests: list[TraceRequest], attainment: float,

@@ -11,7 +11,9 @@ code is the one a live deployment runs.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -23,6 +25,26 @@ from tokenmill.sim.fleet.fleet import FleetSim
 from tokenmill.sim.fleet.records import RequestRecord
 
 _STATES = {"up": SERVING, "starting": STARTING, "draining": DRAINING}
+
+
+class Arrival(Protocol):
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+
+
+def observe_arrivals(obs: Observation, arrived: Sequence[Arrival]) -> Observation:
+    """`obs` with the demand of `arrived`: the count, mean lengths, the prompts' spread and the
+    busiest second's prompt tokens (what the live frontend's counters give)."""
+    obs.requests = len(arrived)
+    if arrived:
+        isl = np.array([r.input_tokens for r in arrived], dtype=np.float64)
+        obs.mean_isl = float(isl.mean())
+        obs.mean_osl = float(np.mean([r.output_tokens for r in arrived]))
+        obs.isl_cv2 = squared_cv(len(isl), float(isl.sum()), float((isl * isl).sum()))
+        seconds = np.floor([r.arrival_s for r in arrived]).astype(np.int64)
+        obs.peak_prompt_tokens_per_s = float(np.bincount(seconds - seconds.min(), weights=isl).max())
+    return obs
 
 
 @dataclass(slots=True)
@@ -51,14 +73,7 @@ class SimulatedDeployment:
         waiting = self._waiting + arrived
         started = [r for r in waiting if r.first_token_s is not None]
         self._waiting = [r for r in waiting if r.first_token_s is None and not r.rejected]
-        obs = Observation(at_s=sim.now, interval_s=self.interval_s, requests=len(arrived))
-        if arrived:
-            isl = np.array([r.input_tokens for r in arrived], dtype=np.float64)
-            obs.mean_isl = float(isl.mean())
-            obs.mean_osl = float(np.mean([r.output_tokens for r in arrived]))
-            obs.isl_cv2 = squared_cv(len(isl), float(isl.sum()), float((isl * isl).sum()))
-            seconds = np.floor([r.arrival_s for r in arrived]).astype(np.int64)
-            obs.peak_prompt_tokens_per_s = float(np.bincount(seconds - seconds.min(), weights=isl).max())
+        obs = observe_arrivals(Observation(at_s=sim.now, interval_s=self.interval_s), arrived)
         self._latencies(obs, started, completed)
         self._replicas(obs, sim)
         return obs
