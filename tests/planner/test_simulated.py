@@ -145,3 +145,16 @@ def test_the_oracle_and_the_opening_fleet_know_the_bursts_ahead() -> None:
     spread = [dataclasses.replace(r, arrival_s=0.5 * i) if i < 60 else r for i, r in enumerate(requests)]
     calm = provisioned_start(initial_config(parser.parse_args(flags)), spread, parser.parse_args(flags))
     assert bursty.prefill > calm.prefill
+
+
+def test_bench_planner_hands_the_disaggregated_fleet_its_flags() -> None:
+    import argparse
+
+    from tokenmill.bench.planner_bench import _args_for, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--prefill-queue-limit", "64", "--max-num-seqs", "1024", "--ttft-ms", "500"])
+    run = _args_for("llama-3.1-70b@h100:fp8:tp2/tp4", "azure-code", args, "hybrid", "kalman")
+    assert (run.prefill_layout, run.decode_layout, run.prefill, run.decode) == ("tp2", "tp4", 1, 1)
+    assert (run.prefill_queue_limit, run.max_num_seqs, run.ttft_ms, run.planner_mode) == (64, 1024, 500.0, "hybrid")
