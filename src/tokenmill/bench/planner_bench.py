@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica-startup-s", type=float, default=60.0)
     parser.add_argument("--max-num-seqs", type=int, default=256, help="per replica (wide-EP decode wants thousands)")
     parser.add_argument("--prefill-queue-limit", type=int, default=8,
-                        help="disaggregated: prefills in flight per prefill replica before decode replicas prefill locally")
+                        help="disaggregated: prefills in flight per prefill replica before decoders prefill locally")
     parser.add_argument("--modes", default="sla,load,hybrid")
     parser.add_argument("--predictors", default="constant,moving_average,arima,kalman")
     parser.add_argument("--json", dest="json_out", type=Path, default=None)

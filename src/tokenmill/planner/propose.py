@@ -186,7 +186,8 @@ class Proposer:
                     inputs: dict[str, Any]) -> Proposal:
         cap = self._capacity("agg", isl, osl, hit)
         correction = max(self.corrections.of("agg"), self.corrections.of("agg:itl"))  # the slower side binds
-        mean_share, burst_share = rate * isl * (1 - hit) / cap.prefill_tokens_per_s, self._burst_need("agg", rate * isl, hit, peak)
+        mean_share = rate * isl * (1 - hit) / cap.prefill_tokens_per_s
+        burst_share = self._burst_need("agg", rate * isl, hit, peak)
         prefill_share = max(mean_share, burst_share)
         decode_share = rate * osl / cap.decode_tokens_per_s
         need = (prefill_share + decode_share) * correction
