@@ -17,6 +17,7 @@ def tokenmill(*argv: str) -> subprocess.CompletedProcess[str]:
     (("--prefill", "1", "--decode", "1", "--workers", "3"), "--workers is for aggregated serving"),
     (("--prefill", "1", "--decode", "1", "--disagg-threshold", "-1"), "--disagg-threshold"),
     (("--prefill", "1", "--decode", "1", "--prefill-queue-limit", "0"), "--prefill-queue-limit"),
+    (("--prefill", "1", "--decode", "1", "--local-prefill-limit", "-1"), "--local-prefill-limit"),
 ])
 def test_serve_refuses_bad_topologies(tiny_dense: Path, flags: tuple[str, ...], message: str) -> None:
     result = tokenmill("serve", "--model", str(tiny_dense), *flags)

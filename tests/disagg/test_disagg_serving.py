@@ -24,6 +24,7 @@ from tests.disagg.conftest import (MAX_TOKENS, assert_idle, complete_all, metric
 REMOTE = 'tokenmill_disagg_decisions_total{decision="remote",reason="long_uncached_prompt"}'
 SHORT = 'tokenmill_disagg_decisions_total{decision="local",reason="short_uncached_prompt"}'
 FAILED = 'tokenmill_disagg_decisions_total{decision="local",reason="prefill_failed"}'
+BUSY = 'tokenmill_disagg_decisions_total{decision="remote",reason="decode_worker_busy"}'
 
 
 def worker_metric(server: ServeProcess, name: str, worker: str) -> float:
@@ -65,6 +66,21 @@ def test_outputs_identical_across_aggregated_disaggregated_and_conditional(
     assert results["agg"] == expected
     assert results["disagg"] == expected
     assert results["conditional"] == expected
+
+
+def test_a_full_prefill_queue_waits_remotely_when_decode_workers_may_not_prefill(
+        tiny_dense: Path, server_factory: Callable[..., ServeProcess]) -> None:
+    """--local-prefill-limit 0: with the one prefill worker's queue full (limit 1, 8 clients at
+    once), prompts queue there rather than on the decode worker, and every answer is right."""
+    prompts = mixed_prompts(24, seed=7)
+    server = server_factory("--disagg-threshold", "0", "--prefill-queue-limit", "1", "--local-prefill-limit", "0")
+    assert complete_all(server, prompts) == reference(tiny_dense, prompts)
+    seen = metrics(server)
+    decisions = {k: v for k, v in seen.items() if k.startswith("tokenmill_disagg_decisions_total")}
+    assert not any('decision="local"' in k for k in decisions), decisions
+    assert seen[REMOTE] + seen.get(BUSY, 0.0) == len(prompts)
+    wait_for(lambda: worker_metric(server, "kv_pulls", "decode-0") == len(prompts), 10, "every pull to be counted")
+    assert_idle(server)
 
 
 @pytest.mark.parametrize("flags,reason", [

@@ -12,11 +12,13 @@ import pytest
 from tokenmill.cli import main
 from tokenmill.planner.constrain import Limits
 from tokenmill.planner.setup import make_planner
+from tokenmill.planner.simulate import static_peak
 from tokenmill.planner.simulated import SimulatedDeployment
 from tokenmill.sim.fleet.arrivals import TraceRequest
 from tokenmill.sim.fleet.clock import parse_profile
 from tokenmill.sim.fleet.config import SLA, FleetConfig
 from tokenmill.sim.fleet.fleet import FleetSim
+from tokenmill.sim.fleet.report import summarize
 from tokenmill.sim.fleet.synthetic import synthetic
 from tests.planner.test_constrain import Steady
 
@@ -158,3 +160,24 @@ def test_bench_planner_hands_the_disaggregated_fleet_its_flags() -> None:
     run = _args_for("llama-3.1-70b@h100:fp8:tp2/tp4", "azure-code", args, "hybrid", "kalman")
     assert (run.prefill_layout, run.decode_layout, run.prefill, run.decode) == ("tp2", "tp4", 1, 1)
     assert (run.prefill_queue_limit, run.max_num_seqs, run.ttft_ms, run.planner_mode) == (64, 1024, 500.0, "hybrid")
+
+
+def test_the_static_baseline_sizes_each_pool_on_its_own() -> None:
+    """Long prompts, short answers: many prefill replicas and one decode replica. Searched pool by
+    pool, the static fleet keeps one decode replica beside the prefill pool it needs (held to the
+    planner's prefill:decode ratio it would be rounded to a multiple), and one replica fewer in
+    either pool misses the attainment it was asked for."""
+    profile = parse_profile(PROFILE)
+    config = FleetConfig(profiles={"prefill": profile, "decode": profile}, prefill=1, decode=1,
+                         sla=SLA(1.0, 0.05), interval_s=INTERVAL)
+    requests = list(synthetic("poisson", rate=3.0, duration_s=120.0, input_tokens=8000, output_tokens=20, seed=3))
+
+    def attainment(prefill: int, decode: int) -> float:
+        sim = FleetSim(dataclasses.replace(config, prefill=prefill, decode=decode))
+        sim.run(requests)
+        return float(summarize(sim).totals["sla_attainment"])
+
+    sized, result = static_peak(config, requests, 0.95, {"prefill": 4, "decode": 3})
+    assert sized.decode == 1 and sized.prefill >= 2
+    assert float(result.totals["sla_attainment"]) >= 0.95
+    assert attainment(sized.prefill - 1, 1) < 0.95

@@ -9,6 +9,7 @@ import pytest
 
 from tokenmill.datasets import MOONCAKE_TRACE, data_file
 from tokenmill.engine.step_work import StepWork
+from tokenmill.router.disagg import DisaggConfig
 from tokenmill.sim.fleet.arrivals import TraceRequest, load_trace
 from tokenmill.sim.fleet.clock import StepClock, parse_profile
 from tokenmill.sim.fleet.config import SLA, FleetChange, FleetConfig
@@ -146,3 +147,30 @@ def test_disaggregated_fleet_prefills_long_prompts_remotely_and_moves_their_kv()
     clock = sim.clocks["prefill"]
     for r in remote[:20]:
         assert r.itl_max_s >= clock.transfer_seconds(r.input_tokens, True) * 0.999
+
+
+@pytest.mark.parametrize("local_limit", [0, 1, 2])
+def test_an_overloaded_prefill_pool_hands_each_decode_replica_at_most_its_local_limit(local_limit: int) -> None:
+    """A burst far beyond one prefill replica: its queue fills, and the decode replicas take prompts
+    only while they prefill fewer than `local_limit` themselves (counted from routing to the first
+    token); the rest wait remotely, and every request finishes."""
+    requests = synthetic("poisson", rate=40.0, num_requests=300, input_tokens=4096, output_tokens=16, seed=6)
+    config = FleetConfig(profiles={"prefill": PROFILE, "decode": PROFILE}, prefill=1, decode=2,
+                         disagg=DisaggConfig(threshold_tokens=256, queue_limit=2, local_limit=local_limit))
+    sim = _simulate(config, requests)
+    records = list(sim.records.values())
+    assert all(r.finished for r in records)
+    reasons = {(d, r): n for (d, r), n in sim.policy.counts.items()}
+    assert reasons.get(("remote", "decode_worker_busy"), 0) > 0
+    assert (reasons.get(("local", "prefill_queue_full"), 0) > 0) == (local_limit > 0)
+    peaks = []
+    for worker in ("decode-1", "decode-2"):
+        spans = [(r.arrival_s, r.first_token_s) for r in records if r.worker == worker and r.prefill == "local"]
+        edges = sorted([(a, 1) for a, _ in spans] + [(f, -1) for _, f in spans])  # a first token before an arrival
+        depth = peak = 0
+        for _, step in edges:
+            depth += step
+            peak = max(peak, depth)
+        peaks.append(peak)
+    assert max(peaks) == local_limit  # reached, never passed
+    assert not +sim.local_prefills  # every count returned at its request's first token

@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="per replica (wide-EP decode wants thousands)")
     parser.add_argument("--prefill-queue-limit", type=int, default=8,
                         help="disaggregated: prefills in flight per prefill replica before decoders prefill locally")
+    parser.add_argument("--local-prefill-limit", type=int, default=1,
+                        help="disaggregated: ... while a decode replica prefills fewer than this many itself")
     parser.add_argument("--modes", default="sla,load,hybrid")
     parser.add_argument("--predictors", default="constant,moving_average,arima,kalman")
     parser.add_argument("--json", dest="json_out", type=Path, default=None)
@@ -54,7 +56,8 @@ def _args_for(deployment: str, trace: str, args: argparse.Namespace, mode: str, 
     flags = ["--trace", _trace_path(trace), "--rate-scale", str(args.rate_scale), "--model", model, "--gpu", gpu,
              "--precision", precision, "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms),
              "--replica-startup-s", str(args.replica_startup_s), "--planner", mode, "--predictor", predictor,
-             "--max-num-seqs", str(args.max_num_seqs), "--prefill-queue-limit", str(args.prefill_queue_limit)]
+             "--max-num-seqs", str(args.max_num_seqs), "--prefill-queue-limit", str(args.prefill_queue_limit),
+             "--local-prefill-limit", str(args.local_prefill_limit)]
     if "/" in layout:
         prefill, decode = layout.split("/")
         flags += ["--prefill", "1", "--decode", "1", "--prefill-layout", prefill, "--decode-layout", decode]

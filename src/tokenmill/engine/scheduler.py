@@ -103,8 +103,8 @@ class Scheduler:
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         n = min(request.num_tokens - request.num_computed_tokens, budget)
-        scheduled = {s.request.request_id for s in out.seqs}
         while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+            scheduled = {s.request.request_id for s in out.seqs}  # only here: per request it made steps O(batch²)
             victims = [r for r in self.running if r.request_id not in scheduled and r is not request]
             victim = victims[-1] if victims else request
             self._preempt(victim, out)

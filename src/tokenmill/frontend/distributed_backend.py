@@ -10,7 +10,8 @@ With prefill workers in the pool (disaggregated serving), the decode worker is c
 first; `DisaggPolicy` then decides whether the prompt is prefilled remotely
 (`frontend/prefill.py`: the first token streams to the client as soon as it exists, and
 the decode worker is sent the request with the KV transfer handle) or on the decode
-worker itself, exactly as in aggregated serving.
+worker itself, exactly as in aggregated serving. The backend counts each decode worker's own
+prefills (sent, no token back yet), which the policy bounds when the prefill pool is full.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +69,7 @@ class DistributedBackend:
         self.max_migrations = max_migrations
         self.default_timeout_s = default_timeout_s
         self.migrations_total = 0
+        self.local_prefills: Counter[str] = Counter()  # decode worker -> its own prefills before a token
         self.worker_control: Any = None  # `tokenmill serve`'s WorkerControl, for /admin/workers
 
     async def start(self) -> None:
@@ -118,12 +121,17 @@ class DistributedBackend:
                     yield self._final(request_id, progress, FINISH_ERROR)
                     return
                 try:
-                    if self._wants_remote_prefill(progress):
+                    prefilled = False
+                    if self._wants_remote_prefill(progress, conn.worker_id):
                         async for out in self.prefill.run(request_id, progress, deadline):
+                            prefilled = True
                             self.pool.router.on_first_token(request_id)
                             yield self._account(out, progress)
                     if not progress.finished:
-                        async for out in self._attempt(conn, request_id, progress, deadline, excluded):
+                        attempt = self._attempt(conn, request_id, progress, deadline, excluded)
+                        if self.prefill.deployed and not prefilled:  # the decode worker prefills it
+                            attempt = self._counted(attempt, conn.worker_id)
+                        async for out in attempt:
                             yield out
                 finally:
                     self.pool.router.on_finished(request_id)
@@ -131,15 +139,30 @@ class DistributedBackend:
             if progress.kv_handle is not None:  # never handed to a decode worker: free it now
                 self.prefill.discard(request_id)
 
-    def _wants_remote_prefill(self, progress: _Progress) -> bool:
+    def _wants_remote_prefill(self, progress: _Progress, decode_worker: str) -> bool:
         """Only a fresh request, and only when the policy sends its prompt to the prefill pool."""
         if progress.generated or progress.migrations:
             return False
         queues = self.prefill.queues()
         if not queues and not self.prefill.deployed:
             return False  # an aggregated deployment: nothing to decide, nothing to count
-        choice = self.disagg.decide(len(progress.prompt), progress.cached_tokens_at_decode, queues)
+        choice = self.disagg.decide(len(progress.prompt), progress.cached_tokens_at_decode, queues,
+                                    self.local_prefills[decode_worker])
         return choice.decision == REMOTE
+
+    async def _counted(self, attempt: AsyncIterator[RequestOutput], worker: str) -> AsyncIterator[RequestOutput]:
+        """`attempt`, counted among `worker`'s own prefills until its first output (or its end)."""
+        self.local_prefills[worker] += 1
+        counted = True
+        try:
+            async for out in attempt:
+                if counted:
+                    counted = False
+                    self.local_prefills[worker] -= 1
+                yield out
+        finally:
+            if counted:
+                self.local_prefills[worker] -= 1
 
     def _pick(self, request_id: str, progress: _Progress, excluded: set[str]) -> WorkerConnection | None:
         """The router's choice among live workers not yet tried; errors only before any output."""

@@ -31,6 +31,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-queue-limit", type=int, default=8,
                         help="with prefill workers: prefill locally while every prefill worker has "
                              "this many prefills in flight")
+    parser.add_argument("--local-prefill-limit", type=int, default=1,
+                        help="... and while the decode worker prefills fewer than this many prompts itself "
+                             "(0: never; each local prefill stalls the decode worker's streams)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TOKENMILL_API_KEY)")
     parser.add_argument("--admin-api-key", default=None,
@@ -51,6 +54,7 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
             "--usd-per-worker-hour", str(args.usd_per_worker_hour), "--request-timeout-s", str(args.request_timeout_s),
             "--router", router_policy(args), "--router-temperature", str(args.router_temperature),
             "--disagg-threshold", str(args.disagg_threshold), "--prefill-queue-limit", str(args.prefill_queue_limit),
+            "--local-prefill-limit", str(args.local_prefill_limit),
             "--reuse-port", *(["--no-access-log"] if args.no_access_log else []),
             *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])]
 
@@ -66,7 +70,8 @@ def router_policy(args: argparse.Namespace) -> str:
 def disagg_config(args: argparse.Namespace):
     from tokenmill.router.disagg import DisaggConfig
 
-    return DisaggConfig(threshold_tokens=args.disagg_threshold, queue_limit=args.prefill_queue_limit)
+    return DisaggConfig(threshold_tokens=args.disagg_threshold, queue_limit=args.prefill_queue_limit,
+                        local_limit=args.local_prefill_limit)
 
 
 def model_name(args: argparse.Namespace) -> str:

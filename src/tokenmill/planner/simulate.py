@@ -6,8 +6,8 @@
 The fleet starts sized for the trace's opening load, as one already running when the trace
 begins would be (`--cold-start`: as given by `--agg N` or `--prefill P --decode D`), and the
 planner resizes it every `--planner-interval-s`. Beside it, two baselines on the same trace:
-- static peak: the smallest fixed fleet (the planner's peak prefill:decode ratio kept) whose SLA
-  attainment over the whole trace reaches the planner's, found by bisection in the simulator;
+- static peak: the smallest fixed fleet whose SLA attainment over the whole trace reaches the
+  planner's, found by bisection in the simulator, one pool at a time;
 - oracle: the same planner told the true load of the coming intervals (up to one start-up
   delay ahead) instead of a forecast, and scaling down at once: what knowing the future buys.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,28 +145,37 @@ class OracleForecaster:
 
 
 def static_peak(config: FleetConfig, requests: list[TraceRequest], attainment: float,
-                ratio: float | None, start: int) -> tuple[FleetConfig, FleetResult]:
-    """The smallest fixed fleet reaching `attainment`, by bisection on the decode (or agg) count
-    from `start` (the planner's peak), the prefill pool kept at `ratio` x decode, rounded up. The
-    search stays near `start`: a fleet far too small makes a slow simulation of long queues."""
-    def sized(n: int) -> FleetConfig:
-        if config.disaggregated:
-            return dataclasses.replace(config, prefill=max(1, math.ceil(n * (ratio or 1.0))), decode=n, changes=())
-        return dataclasses.replace(config, agg=n, changes=())
+                peak: dict[str, int]) -> tuple[FleetConfig, FleetResult]:
+    """The smallest fixed fleet reaching `attainment`, one pool at a time: from the planner's peak
+    `peak` (doubled until the fleet reaches it), the smallest decode pool with that prefill pool,
+    then the smallest prefill pool with that decode pool (aggregated: the one pool). Each pool
+    has its own count, so a small pool beside a large one is not rounded to a multiple of it."""
+    roles = ("prefill", "decode") if config.disaggregated else ("agg",)
+    sizes = {role: max(peak.get(role, 1), 1) for role in roles}
 
-    def reaches(n: int) -> FleetResult | None:
-        sim = FleetSim(sized(n))
+    def reaches(candidate: dict[str, int]) -> FleetResult | None:
+        sim = FleetSim(dataclasses.replace(config, **candidate, changes=()))
         sim.run(requests)
         result = summarize(sim)
         return result if float(result.totals["sla_attainment"]) >= attainment else None  # type: ignore[arg-type]
 
-    high = max(start, 1)
-    best = reaches(high)
-    while best is None and high < MAX_STATIC_REPLICAS:  # the planner's peak was not enough held fixed
-        high *= 2
-        best = reaches(high)
+    best = reaches(sizes)
+    while best is None and max(sizes.values()) < MAX_STATIC_REPLICAS:  # the peak held fixed was not enough
+        sizes = {role: n * 2 for role, n in sizes.items()}
+        best = reaches(sizes)
+    if best is None:
+        raise ValueError(f"no fixed fleet up to {MAX_STATIC_REPLICAS} replicas reaches {attainment:.2%} attainment")
+    for role in reversed(roles):  # decode first: its size hardly changes what the prefill pool needs
+        sizes[role], best = _smallest(lambda n: reaches({**sizes, role: n}), sizes[role], best)
+    return dataclasses.replace(config, **sizes, changes=()), best
+
+
+def _smallest(reaches: Callable[[int], FleetResult | None], high: int,
+              best: FleetResult) -> tuple[int, FleetResult]:
+    """The smallest n in [1, high] that `reaches` (which `high` does, giving `best`), by halving
+    down from `high` and then bisecting: a fleet far too small is a slow simulation of long queues."""
     low = high // 2
-    while low >= 1 and (found := reaches(low)) is not None:  # the answer is below half the peak
+    while low >= 1 and (found := reaches(low)) is not None:
         high, best, low = low, found, low // 2
     while high - low > 1:
         mid = (low + high) // 2
@@ -174,18 +184,16 @@ def static_peak(config: FleetConfig, requests: list[TraceRequest], attainment: f
             high, best = mid, found
         else:
             low = mid
-    if best is None:
-        raise ValueError(f"no fixed fleet up to {MAX_STATIC_REPLICAS} replicas reaches {attainment:.2%} attainment")
-    return sized(high), best
+    return high, best
 
 
-def peak_ratio(decisions: list[Decision]) -> float | None:
-    """prefill ÷ decode at the planner's largest decode pool."""
-    pools = [d.target for d in decisions if d.target.get("decode")]
-    if not pools:
-        return None
-    top = max(pools, key=lambda t: (t["decode"], t.get("prefill", 0)))
-    return top.get("prefill", 1) / top["decode"]
+def peak_fleet(decisions: list[Decision]) -> dict[str, int]:
+    """Each pool's largest target over the run."""
+    peak: dict[str, int] = {}
+    for decision in decisions:
+        for role, n in decision.target.items():
+            peak[role] = max(peak.get(role, 0), n)
+    return peak
 
 
 def simulate(args: argparse.Namespace) -> dict[str, Any]:
@@ -202,8 +210,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_baselines:
         oracle = run_planned(config, requests, args, OracleForecaster(requests, args.planner_interval_s,
                                                                       config.replica_startup_s), oracle=True)
-        peak = max((d.target.get("decode", d.target.get("agg", 1)) for d in planned.decisions), default=1)
-        static_config, static = static_peak(config, requests, planned.attainment, peak_ratio(planned.decisions), peak)
+        static_config, static = static_peak(config, requests, planned.attainment, peak_fleet(planned.decisions))
         report["oracle"] = summary(oracle)
         report["static_peak"] = {**_totals(static), "fleet": {r: getattr(static_config, r)
                                                               for r in ("agg", "prefill", "decode")}}

@@ -63,7 +63,10 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     fleet.add_argument("--decode-layout", default="tp1")
     fleet.add_argument("--router", default="kv", help="kv, kv-approx, round-robin, random, least-loaded")
     fleet.add_argument("--disagg-threshold", type=int, default=256, help="uncached tokens from which prefill goes remote")
-    fleet.add_argument("--prefill-queue-limit", type=int, default=8)
+    fleet.add_argument("--prefill-queue-limit", type=int, default=8,
+                       help="prefill on the decode replica while every prefill replica has this many in flight")
+    fleet.add_argument("--local-prefill-limit", type=int, default=1,
+                       help="... and while the decode replica prefills fewer than this many itself (0: never)")
     fleet.add_argument("--block-size", type=int, default=16)
     fleet.add_argument("--max-num-seqs", type=int, default=256)
     fleet.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -103,7 +106,7 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
                   "decode": profile(args.decode_layout, "--decode-layout")},
         agg=args.agg, prefill=args.prefill, decode=args.decode, router=args.router, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, kv_blocks=args.kv_blocks,
-        disagg=DisaggConfig(args.disagg_threshold, args.prefill_queue_limit), replica_startup_s=args.replica_startup_s,
+        disagg=DisaggConfig(args.disagg_threshold, args.prefill_queue_limit, args.local_prefill_limit), replica_startup_s=args.replica_startup_s,
         changes=tuple(parse_change(c) for c in args.change), sla=SLA(args.ttft_ms / 1e3, args.itl_ms / 1e3),
         usd_per_gpu_hour=args.usd_per_gpu_hour, power_cap_kw=args.power_cap_kw, interval_s=args.interval_s,
         seed=args.seed)

@@ -5,7 +5,8 @@ pool on `kv` and the decode pool on the configured policy, as `tokenmill serve` 
 by every simulated replica's KV events and charged and released exactly as the frontend does
 (`select` at arrival, `on_first_token`, `on_finished`). Disaggregation decides with the
 frontend's own `DisaggPolicy`: the decode replica is chosen first, and the prompt goes to a
-prefill replica unless its uncached part is short or every prefill queue is full. A remotely
+prefill replica unless its uncached part is short or every prefill queue is full (and the decode
+replica prefills fewer than the policy's local limit itself). A remotely
 prefilled request's first token comes from the prefill replica; its KV (the blocks the decode
 replica lacks) then crosses the link — NVLink when both instances fit in one NVLink domain,
 the scale-out NIC otherwise — and the decode replica continues.
@@ -66,6 +67,7 @@ class FleetSim:
         self.intervals: list[IntervalRecord] = []
         self.change_log: list[ChangeRecord] = []
         self.prefill_in_flight: Counter[str] = Counter()
+        self.local_prefills: Counter[str] = Counter()  # decode replica -> its own prefills before the first token
         self.backlog: deque[TraceRequest] = deque()  # arrived while no replica could take them
         self.now = 0.0
         self._heap: list[tuple[float, int, int, object]] = []
@@ -156,6 +158,8 @@ class FleetSim:
         if role == "decode" and self._prefill_remotely(request, decision.overlap_blocks, record):
             self._send_to_prefill(request, routing, record, target)
             return
+        if role == "decode":
+            self.local_prefills[target.worker_id] += 1
         target.worker.add(seq)
         self._wake(target)
 
@@ -166,7 +170,8 @@ class FleetSim:
             record.prefill, record.prefill_reason = LOCAL, "prompt_exceeds_prefill_kv"
             return False
         queues = [self.prefill_in_flight[r.worker_id] for r in prefill_pool]
-        choice = self.policy.decide(request.input_tokens, overlap_blocks * self.config.block_size, queues)
+        choice = self.policy.decide(request.input_tokens, overlap_blocks * self.config.block_size, queues,
+                                    self.local_prefills[record.worker])
         record.prefill, record.prefill_reason = choice.decision, choice.reason
         return choice.decision == REMOTE
 
@@ -221,6 +226,8 @@ class FleetSim:
         if seq.prefill_only:
             self._handoff(replica, seq, record)
             return
+        if first and record.prefill == LOCAL:
+            self.local_prefills[replica.worker_id] -= 1
         if first:  # as the live frontend does with the first delta: the blocks the worker says it holds
             self.routers[self.serving_role].on_progress(seq.request_id, seq.num_tokens, seq.cached_tokens)
         if seq.finished:

@@ -120,8 +120,8 @@ class SimWorker:
 
     def _schedule_running(self, seq: SimSeq, budget: int, out: Batch) -> int:
         n = min(seq.num_tokens - seq.computed, budget)
-        scheduled = {id(c.seq) for c in out.chunks}
         while not self.kv.allocate(seq.kv, seq.computed + n):
+            scheduled = {id(c.seq) for c in out.chunks}  # only here: per sequence it made steps O(batch²)
             victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
             victim = victims[-1] if victims else seq
             self._preempt(victim, out)
