@@ -89,3 +89,33 @@ def test_prompt_spread_and_the_busiest_second_come_from_the_frontend(monkeypatch
     busiest = max(v for s, v in per_second.items() if s < 108)
     assert busiest == 6000
     assert busiest / 2 ** 0.5 <= obs.peak_prompt_tokens_per_s <= busiest * 2 ** 0.5
+
+
+def test_the_decode_streams_mean_and_peaks_come_from_the_frontend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams start at their first token and end when they finish; each whole second passed
+    samples the count held, and the interval reads back their mean and 90th percentile."""
+    import numpy as np
+
+    now = [200.0]
+    monkeypatch.setattr("tokenmill.frontend.metrics.time.monotonic", lambda: now[0])
+    m = _metrics()
+    before = scrape(generate_latest(m.registry).decode())
+    counts = [100] * 50 + [20] * 50  # streams held at seconds 201-250, then 251-300
+    timers = []
+    for t, n in (200.5, 100), (250.5, -80), (300.5, -20):
+        now[0] = t
+        if n > 0:
+            for _ in range(n):
+                timers.append(m.start_request(10))
+                timers[-1].on_tokens(1)  # the first token: a stream
+        else:
+            for timer in timers[:-n]:
+                timer.on_finish("success", 10, 5, 0)
+            timers = timers[-n:]
+    unstarted = m.start_request(10)  # no token: never a stream, and its end changes nothing
+    unstarted.on_finish("error", 10, 0, 0)
+    obs = observe(before, scrape(generate_latest(m.registry).decode()), at_s=300.0, interval_s=100.0,
+                  workers=WORKERS, warmup_s=60.0)
+    assert obs.streams_mean == pytest.approx(np.mean(counts))
+    assert 91 <= obs.streams_p90 <= 108  # the 90th percentile, 100, read back within its bucket
+    assert m.decode_streams.count == 0

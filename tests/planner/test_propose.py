@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from tokenmill.planner.load_shape import MAX_STREAM_PEAK_RATIO, LoadShape
 from tokenmill.planner.observation import SERVING, Observation
 from tokenmill.planner.perf_model import DECODE_ITL_HEADROOM, Capacity, ReplicaModel
 from tokenmill.planner.propose import MAX_CORRECTION, Proposer
@@ -48,6 +49,22 @@ def test_disaggregated_counts_by_hand() -> None:
     assert proposal.inputs["prefill_need"] == pytest.approx(3.0)
     assert proposal.inputs["decode_need"] == pytest.approx(2.5)
     assert any(r.startswith("prefill: 10.00 req/s") for r in proposal.reasons)
+
+
+def test_decode_is_sized_for_the_streams_peaks_over_their_mean() -> None:
+    """The seconds' p90 of streams ran at 1.5x, 1.2x and 1.5x their means in the last intervals:
+    the decode pool is sized at their median, 10 x 500 x 1.5 / 2,000 = 3.75 -> 4 (the mean alone: 3)."""
+    proposer = Proposer({"prefill": FixedModel(), "decode": FixedModel()}, disaggregated=True)  # type: ignore[dict-item]
+    proposer.propose(Load(300, 4000, 500), _obs(hit_fraction=0.25, streams_mean=400.0, streams_p90=600.0))
+    proposer.propose(Load(300, 4000, 500), _obs(hit_fraction=0.25, streams_mean=500.0, streams_p90=600.0))
+    proposal = proposer.propose(Load(300, 4000, 500), _obs(hit_fraction=0.25, streams_mean=400.0, streams_p90=600.0))
+    assert proposal.replicas == {"prefill": 3, "decode": 4}
+    assert proposal.inputs["decode_need"] == pytest.approx(3.75)
+    assert any("x 1.50 (the streams' peaks" in r for r in proposal.reasons)
+    # aggregated: the decode share grows alike, 1.0 + 10 x 300 x 1.5 / 2,000 = 3.25 -> 4
+    agg = Proposer({"agg": FixedModel()}, disaggregated=False)  # type: ignore[dict-item]
+    agg.propose(Load(300, 1000, 300), _obs(streams_mean=100.0, streams_p90=150.0))
+    assert agg.propose(Load(300, 1000, 300), _obs()).replicas == {"agg": 4}
 
 
 def test_aggregated_replicas_split_their_time() -> None:
@@ -155,10 +172,8 @@ def test_spread_prompts_and_bursts_buy_prefill_headroom() -> None:
     assert quiet.propose(Load(0, 1, 1), _obs(requests=1, mean_isl=1.0)).replicas["prefill"] == math.ceil(alone)
 
 
-def test_the_arrival_shape_holds_the_last_bursts_through_calm_intervals() -> None:
-    from tokenmill.planner.propose import ArrivalShape
-
-    shape = ArrivalShape(window=4)
+def test_the_load_shape_holds_the_last_bursts_through_calm_intervals() -> None:
+    shape = LoadShape(window=4)
     assert shape.variability() == 0.5 and shape.peak_tokens_per_s() == 0.0  # nothing measured yet
     shape.update(_obs(requests=3, isl_cv2=50.0))  # too few prompts to say anything
     assert shape.variability() == 0.5
@@ -171,6 +186,24 @@ def test_the_arrival_shape_holds_the_last_bursts_through_calm_intervals() -> Non
     for _ in range(4):
         shape.update(_obs(requests=0))  # quiet intervals count as no burst, so zero traffic reaches the minimum
     assert shape.peak_tokens_per_s() == 0.0
+
+
+def test_the_load_shape_keeps_the_median_stream_peaks_of_its_window() -> None:
+    shape = LoadShape(window=3)
+    assert shape.stream_peak_ratio() == 1.0  # nothing measured yet
+    shape.update(_obs(streams_mean=4.0, streams_p90=40.0))  # too few streams to say anything
+    shape.update(_obs(streams_mean=100.0, streams_p90=None))
+    assert shape.stream_peak_ratio() == 1.0
+    shape.update(_obs(streams_mean=100.0, streams_p90=140.0))
+    shape.update(_obs(streams_mean=100.0, streams_p90=90.0))  # below the mean: counts as 1
+    assert shape.stream_peak_ratio() == pytest.approx(1.2)
+    shape.update(_obs(streams_mean=10.0, streams_p90=100.0))  # a ramp from nothing: bounded, and outvoted
+    assert shape.stream_peak_ratio() == pytest.approx(1.4)
+    shape.update(_obs(streams_mean=10.0, streams_p90=100.0))
+    assert shape.stream_peak_ratio() == MAX_STREAM_PEAK_RATIO
+    for _ in range(3):
+        shape.update(_obs(streams_mean=200.0, streams_p90=220.0))
+    assert shape.stream_peak_ratio() == pytest.approx(1.1)  # the old peaks left the window
 
 
 def test_a_clairvoyant_forecast_sizes_for_the_coming_burst_not_the_past_one() -> None:

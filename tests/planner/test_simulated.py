@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tokenmill.cli import main
@@ -66,6 +67,12 @@ def test_the_planner_follows_a_doubling_and_a_fall_without_losing_a_request() ->
     assert all(o.isl_cv2 == 0.0 for o in busy if o.requests >= 2)
     assert all(o.peak_prompt_tokens_per_s % 8000 == 0 and o.peak_prompt_tokens_per_s >= 8000 for o in busy)
     assert max(o.peak_prompt_tokens_per_s for o in busy) >= 3 * 8000  # Poisson at 4 req/s bunches up
+    # the streams decoding at each whole second, as the frontend samples them, counted by brute force
+    for obs in busy[::7]:
+        counts = [sum(1 for r in sim.records.values() if r.first_token_s is not None and r.first_token_s <= t
+                      and (r.last_token_s is None or t < r.last_token_s or not r.finished))
+                  for t in range(int(obs.at_s - INTERVAL) + 1, int(obs.at_s) + 1)]
+        assert obs.streams_mean == pytest.approx(np.mean(counts)) and obs.streams_p90 == np.percentile(counts, 90)
 
 
 def test_planner_simulate_command_with_baselines(tmp_path: Path) -> None:

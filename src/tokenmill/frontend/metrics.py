@@ -32,6 +32,7 @@ _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"\s*,?')
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     30.0, 60.0, 120.0)
 _TOKENS_PER_SECOND_BUCKETS = tuple(round(64 * 2 ** (k / 2)) for k in range(38))  # 64 .. ~12M, x1.41 apart
+_STREAM_BUCKETS = (0.0, *sorted({round(2 ** (k / 4)) for k in range(57)}))  # 0, 1 .. 16384, ~x1.19 apart
 RATE_WINDOW_S = 60.0
 
 
@@ -147,6 +148,35 @@ class PromptTokensPerSecond:
         self.tokens += tokens
 
 
+class DecodeStreams:
+    """Streams past their first token and not finished, sampled at every whole second of the
+    monotonic clock into a histogram. Samples are taken at the next start or end: the count
+    held since is the count at each second passed (at most MAX_HELD_S of them). The histogram's
+    mean (`_sum / _count`) and upper quantiles over an interval are how far a decode pool's
+    batches peak above their mean: the planner's decode headroom."""
+    MAX_HELD_S = 3600
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+        self.count = 0
+        self.second: int | None = None
+
+    def started(self, now: float) -> None:
+        self._sample_until(now)
+        self.count += 1
+
+    def ended(self, now: float) -> None:
+        self._sample_until(now)
+        self.count -= 1
+
+    def _sample_until(self, now: float) -> None:
+        second = int(now)
+        if self.second is not None:
+            for _ in range(min(second - self.second, self.MAX_HELD_S)):
+                self.histogram.observe(self.count)
+        self.second = second
+
+
 class FrontendMetrics:
     def __init__(self, snapshot: Callable[[], dict[str, float]], usd_per_worker_hour: float | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -171,6 +201,9 @@ class FrontendMetrics:
         self.prompt_tokens_per_second = PromptTokensPerSecond(Histogram(
             "tokenmill_prompt_tokens_per_second", "prompt tokens admitted in each second that admitted any",
             buckets=_TOKENS_PER_SECOND_BUCKETS, registry=r))
+        self.decode_streams = DecodeStreams(Histogram(
+            "tokenmill_decode_streams", "streams past their first token, sampled each second",
+            buckets=_STREAM_BUCKETS, registry=r))
         r.register(_BackendCollector(snapshot, self.output_rate, usd_per_worker_hour))
 
     def count_request(self, status: str) -> None:
@@ -202,6 +235,7 @@ class RequestTimer:
         if self.last_token_at is None:
             self.ttft_s = now - self.arrival
             self.metrics.ttft.observe(self.ttft_s)
+            self.metrics.decode_streams.started(now)
         else:
             per_token = (now - self.last_token_at) / count  # a delta may carry several tokens
             for _ in range(count):
@@ -211,7 +245,10 @@ class RequestTimer:
 
     def on_finish(self, status: str, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None:
         m = self.metrics
-        m.e2e.observe(time.monotonic() - self.arrival)
+        now = time.monotonic()
+        m.e2e.observe(now - self.arrival)
+        if self.last_token_at is not None:
+            m.decode_streams.ended(now)
         m.count_request(status)
         m.input_tokens.inc(prompt_tokens)
         m.input_tokens_squared.inc(prompt_tokens * prompt_tokens)

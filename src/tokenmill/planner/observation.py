@@ -29,6 +29,8 @@ class Observation:
     decode_kv_usage: float | None = None  # mean over serving decode (or agg) replicas, 0..1
     isl_cv2: float | None = None  # squared coefficient of variation of the prompt lengths (queueing headroom)
     peak_prompt_tokens_per_s: float | None = None  # the busiest second's admitted prompt tokens (bursts)
+    streams_mean: float | None = None  # streams past their first token, not finished: the mean of each second's
+    streams_p90: float | None = None  # ... and their 90th percentile (how far a decode pool's batches peak)
     replicas: dict[str, dict[str, int]] = field(default_factory=dict)  # role -> state -> count
     warm_replicas: dict[str, int] = field(default_factory=dict)  # role -> serving past their warm-up
 

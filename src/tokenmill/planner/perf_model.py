@@ -12,7 +12,7 @@ gives, for a replica of the deployment's model, GPU, precision and layout:
   taken as TAIL_FACTOR (ln 100: an exponential tail's 99th percentile) times the mean. TTFT ≤
   target then holds for ρ ≤ k / (1 + k) with k = x / (TAIL_FACTOR · v) and x = (target − S) / S;
   the replica's capacity is that share of its full-chunk rate (the planner passes v from the
-  observed prompt spread; bursts it handles apart, `planner/propose.ArrivalShape`).
+  observed prompt spread; bursts it handles apart, `planner/load_shape.LoadShape`).
 - **decode**: the largest batch whose step, at a mean context of ISL + OSL/2, stays within
   DECODE_ITL_HEADROOM of the ITL target and whose KV fits the replica's cache; capacity is that
   batch ÷ its step time, in output tokens per second. The headroom is there because the SLA

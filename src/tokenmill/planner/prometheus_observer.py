@@ -7,7 +7,8 @@ deltas, interpolated within a bucket as Prometheus' `histogram_quantile` does. D
 `tokenmill_requests_started_total` (counted at admission); ISL and OSL are the token counters
 over the requests that finished; the prompt lengths' squared coefficient of variation comes
 from their sum and sum of squares, and the busiest second's prompt tokens from the histogram
-of prompt tokens admitted per second.
+of prompt tokens admitted per second; the decode streams' mean and 90th percentile from the
+histogram of streams sampled each second.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from tokenmill.planner.observation import DRAINING, SERVING, STARTING, Observati
 _COUNTERS = ("tokenmill_requests_started_total", "tokenmill_input_tokens_total", "tokenmill_output_tokens_total",
              "tokenmill_cached_tokens_total", "tokenmill_requests_total", "tokenmill_input_tokens_squared_total")
 _HISTOGRAMS = {"ttft": "tokenmill_time_to_first_token_seconds", "itl": "tokenmill_inter_token_latency_seconds",
-               "prompt_tokens_per_s": "tokenmill_prompt_tokens_per_second"}
+               "prompt_tokens_per_s": "tokenmill_prompt_tokens_per_second", "streams": "tokenmill_decode_streams"}
 _LATENCIES = ("ttft", "itl")
 PEAK_QUANTILE = 0.99  # of the interval's busy seconds: its busiest, within a bucket
 _WORKER_STATES = {"serving": SERVING, "starting": STARTING, "draining": DRAINING}
@@ -33,16 +34,18 @@ def scrape(text: str) -> dict[str, Any]:
     per-worker gauges (`tokenmill_worker_kv_usage`, `tokenmill_worker_num_waiting`)."""
     out: dict[str, Any] = {name: 0.0 for name in _COUNTERS}
     buckets: dict[str, dict[float, float]] = {key: {} for key in _HISTOGRAMS}
+    sums: dict[str, float] = {key: 0.0 for key in _HISTOGRAMS}
     workers: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            _take(sample, out, buckets, workers)
+            _take(sample, out, buckets, sums, workers)
     out["buckets"] = buckets
+    out["sums"] = sums
     out["workers"] = workers
     return out
 
 
-def _take(sample: Any, out: dict[str, Any], buckets: dict[str, dict[float, float]],
+def _take(sample: Any, out: dict[str, Any], buckets: dict[str, dict[float, float]], sums: dict[str, float],
           workers: dict[str, dict[str, float]]) -> None:
     name, labels, value = sample.name, sample.labels, sample.value
     if name in _COUNTERS:
@@ -52,6 +55,9 @@ def _take(sample: Any, out: dict[str, Any], buckets: dict[str, dict[float, float
         if name == histogram + "_bucket":
             bound = float(labels["le"])
             buckets[key][bound] = buckets[key].get(bound, 0.0) + value
+            return
+        if name == histogram + "_sum":
+            sums[key] += value
             return
     if name.startswith("tokenmill_worker_") and "worker" in labels:
         workers.setdefault(labels["worker"], {})[name.removeprefix("tokenmill_worker_")] = value
@@ -81,6 +87,7 @@ def observe(before: Mapping[str, Any], after: Mapping[str, Any], at_s: float, in
         setattr(obs, f"{key}_p90_s", p90)
     buckets = before["buckets"]["prompt_tokens_per_s"], after["buckets"]["prompt_tokens_per_s"]
     obs.peak_prompt_tokens_per_s = _quantile_delta(PEAK_QUANTILE, *buckets)
+    _streams(obs, before, after)
     serving = {w["name"]: w for w in workers if w.get("state") == "serving"}
     gauges = after["workers"]
     decode_kv = [g["kv_usage"] for name, g in gauges.items() if name in serving and "kv_usage" in g
@@ -88,6 +95,16 @@ def observe(before: Mapping[str, Any], after: Mapping[str, Any], at_s: float, in
     obs.decode_kv_usage = sum(decode_kv) / len(decode_kv) if decode_kv else None
     obs.queue_depth = int(sum(g.get("num_waiting", 0.0) for name, g in gauges.items() if name in serving))
     return obs
+
+
+def _streams(obs: Observation, before: Mapping[str, Any], after: Mapping[str, Any]) -> None:
+    """The decode streams' mean over the interval's seconds (the histogram's sum ÷ count) and
+    their 90th percentile."""
+    samples = after["buckets"]["streams"].get(math.inf, 0.0) - before["buckets"]["streams"].get(math.inf, 0.0)
+    if samples <= 0:
+        return
+    obs.streams_mean = (after["sums"]["streams"] - before["sums"]["streams"]) / samples
+    obs.streams_p90 = _quantile_delta(0.9, before["buckets"]["streams"], after["buckets"]["streams"])
 
 
 def _replicas(obs: Observation, workers: list[Mapping[str, Any]], at_s: float, warmup_s: float) -> None:

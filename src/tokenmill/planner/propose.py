@@ -11,24 +11,25 @@ to [1/MAX_CORRECTION, MAX_CORRECTION], and only once a replica of that pool is p
 A prefill replica's capacity also shrinks with how spread the recent prompt lengths were (the v
 of the performance model's queue), and the prefill pool never drops below what clears the
 busiest recent second's prompt tokens within the TTFT target beside the mean load
-(`ArrivalShape`; a clairvoyant forecast brings the coming one instead).
+(`LoadShape`; a clairvoyant forecast brings the coming one instead). A decode pool (or an
+aggregated pool's decode share) is sized for its streams' recent peaks above their mean, not
+the mean alone (`LoadShape.stream_peak_ratio`).
 """
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokenmill.planner.flags import MODES
+from tokenmill.planner.load_shape import LoadShape
 from tokenmill.planner.observation import SERVING, Observation
-from tokenmill.planner.perf_model import (MAX_PREFILL_UTILISATION, POISSON_VARIABILITY, Capacity, ReplicaModel,
+from tokenmill.planner.perf_model import (MAX_PREFILL_UTILISATION, Capacity, ReplicaModel,
                                           queue_wait)
 
 MAX_CORRECTION = 1.5
 KV_HIGH, KV_LOW = 0.85, 0.40  # load mode: decode KV use that adds / allows removing a replica
 BURST_WINDOW_S = 1.0  # bursts are measured as the busiest second's prompt tokens
-MIN_REQUESTS_FOR_SPREAD = 8  # fewer prompts than this say little about an interval's spread
 
 
 class Forecast(Protocol):
@@ -65,40 +66,6 @@ class Corrections:
         return self.ratio.get(role, 1.0)
 
 
-class ArrivalShape:
-    """How spread and how bursty the recent load was, over the last `window` intervals that
-    measured it (bursts come back: one calm interval must not drop the headroom the last burst
-    needed):
-
-    - `variability()`: (ca² + cs²)/2 of the prefill queue, with Poisson gaps (ca² = 1) and the
-      prompt lengths' cs² averaged over the window (Pollaczek-Khinchine's M/G/1); ½ until measured.
-      The gaps' own ca² is not used: a prefill replica batches a burst's prompts into one chunk,
-      so gaps far below a step cost nothing, and Kingman's formula on them over-provisions many
-      times over (measured on the Azure code trace). Bursts are the floor below instead;
-    - `peak_tokens_per_s()`: the busiest second's prompt tokens, the highest in the window.
-    """
-
-    def __init__(self, window: int = 10) -> None:
-        self.spreads: deque[float] = deque(maxlen=window)
-        self.peaks: deque[float] = deque(maxlen=window)
-
-    def update(self, obs: Observation) -> None:
-        if obs.requests == 0:
-            self.peaks.append(0.0)  # a quiet interval: zero traffic must reach the minimum in time
-        elif obs.peak_prompt_tokens_per_s is not None:
-            self.peaks.append(obs.peak_prompt_tokens_per_s)
-        if obs.isl_cv2 is not None and (obs.requests or 0) >= MIN_REQUESTS_FOR_SPREAD:
-            self.spreads.append(obs.isl_cv2)
-
-    def variability(self) -> float:
-        if not self.spreads:
-            return POISSON_VARIABILITY
-        return (1.0 + sum(self.spreads) / len(self.spreads)) / 2
-
-    def peak_tokens_per_s(self) -> float:
-        return max(self.peaks, default=0.0)
-
-
 class Proposer:
     def __init__(self, models: dict[str, ReplicaModel], disaggregated: bool, mode: str = "sla") -> None:
         if mode not in MODES:
@@ -107,7 +74,7 @@ class Proposer:
         self.disaggregated = disaggregated
         self.mode = mode
         self.corrections = Corrections()
-        self.shape = ArrivalShape()
+        self.shape = LoadShape()
 
     def targets(self) -> tuple[float, float]:
         """(TTFT, ITL) targets in seconds."""
@@ -150,17 +117,19 @@ class Proposer:
         p_cap = self._capacity("prefill", isl, osl, hit)
         d_cap = self._capacity("decode", isl, osl, hit)
         p_need = rate * isl * (1 - hit) / (p_cap.prefill_tokens_per_s / self.corrections.of("prefill"))
-        d_need = rate * osl / (d_cap.decode_tokens_per_s / self.corrections.of("decode"))
+        peaks = self.shape.stream_peak_ratio()
+        d_need = rate * osl * peaks / (d_cap.decode_tokens_per_s / self.corrections.of("decode"))
         burst_need = self._burst_need("prefill", rate * isl, hit, peak) * self.corrections.of("prefill")
         replicas = {"prefill": math.ceil(max(p_need, burst_need) - 1e-9), "decode": math.ceil(d_need - 1e-9)}
         inputs.update(prefill_need=max(p_need, burst_need), decode_need=d_need, prefill_burst_need=burst_need,
+                      stream_peak_ratio=peaks,
                       prefill_capacity=_capacity_json(p_cap), decode_capacity=_capacity_json(d_cap),
                       corrections=dict(self.corrections.ratio))
         reasons = [f"prefill: {rate:.2f} req/s x {isl:.0f} ISL x {1 - hit:.2f} uncached / "
                    f"{p_cap.prefill_tokens_per_s:,.0f} tok/s per replica ({p_cap.prefill_utilisation:.0%} of its peak "
                    f"at queue variability {self.shape.variability():.2f} from the prompts' spread) = {p_need:.2f}",
-                   f"decode: {rate:.2f} req/s x {osl:.0f} OSL / {d_cap.decode_tokens_per_s:,.0f} tok/s per replica "
-                   f"(batch {d_cap.decode_batch}) = {d_need:.2f}"]
+                   f"decode: {rate:.2f} req/s x {osl:.0f} OSL x {peaks:.2f} (the streams' peaks over their mean) / "
+                   f"{d_cap.decode_tokens_per_s:,.0f} tok/s per replica (batch {d_cap.decode_batch}) = {d_need:.2f}"]
         if burst_need > p_need:
             reasons.append(self._burst_reason("prefill", peak, burst_need, inputs))
         reasons += _infeasible(p_cap, "prefill") + _infeasible(d_cap, "decode")
@@ -189,12 +158,14 @@ class Proposer:
         mean_share = rate * isl * (1 - hit) / cap.prefill_tokens_per_s
         burst_share = self._burst_need("agg", rate * isl, hit, peak)
         prefill_share = max(mean_share, burst_share)
-        decode_share = rate * osl / cap.decode_tokens_per_s
+        peaks = self.shape.stream_peak_ratio()
+        decode_share = rate * osl * peaks / cap.decode_tokens_per_s
         need = (prefill_share + decode_share) * correction
-        inputs.update(prefill_share=prefill_share, decode_share=decode_share, need=need,
+        inputs.update(prefill_share=prefill_share, decode_share=decode_share, stream_peak_ratio=peaks, need=need,
                       capacity=_capacity_json(cap), corrections=dict(self.corrections.ratio))
         reasons = [f"agg: {rate:.2f} req/s needs {prefill_share:.2f} replicas of prefill time and "
-                   f"{decode_share:.2f} of decode time (x{correction:.2f} observed) = {need:.2f}"]
+                   f"{decode_share:.2f} of decode time (streams peaking at {peaks:.2f}x their mean; "
+                   f"x{correction:.2f} observed) = {need:.2f}"]
         if burst_share > mean_share:
             reasons.append(self._burst_reason("agg", peak, burst_share, inputs))
         reasons += _infeasible(cap, "agg")

@@ -3,13 +3,14 @@
 Every interval the simulator calls `SimulatedDeployment.tick`: it builds the interval's
 `Observation` from the simulator's records (arrivals counted as admitted demand, with their
 prompts' spread and the busiest second's prompt tokens, as the live frontend exports; latencies of
-the requests that got their first token, or finished, in the interval; queue and KV from the
-replicas), hands it to the planner, and applies the decision's actions as fleet changes
+the requests that got their first token, or finished, in the interval; the streams decoding at
+each second, as the frontend samples them; queue and KV from the replicas), hands it to the planner, and applies the decision's actions as fleet changes
 (started replicas serve after the fleet's start-up delay; removed ones drain). The planner
 code is the one a live deployment runs.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class SimulatedDeployment:
     _arrived: int = 0
     _completed: int = 0
     _waiting: list[RequestRecord] = field(default_factory=list)  # arrived, no first token yet
+    _streaming: list[RequestRecord] = field(default_factory=list)  # a first token, not finished, at the last tick
 
     def tick(self, sim: FleetSim) -> None:
         decision = self.planner.step(self.observe(sim))
@@ -75,8 +77,21 @@ class SimulatedDeployment:
         self._waiting = [r for r in waiting if r.first_token_s is None and not r.rejected]
         obs = observe_arrivals(Observation(at_s=sim.now, interval_s=self.interval_s), arrived)
         self._latencies(obs, started, completed)
+        self._streams(obs, self._streaming + started, sim.now)
         self._replicas(obs, sim)
         return obs
+
+    def _streams(self, obs: Observation, candidates: list[RequestRecord], now: float) -> None:
+        """The streams decoding (a first token, not finished) at each whole second of the
+        interval, as the live frontend samples them: their mean and 90th percentile."""
+        seconds = np.arange(math.floor(now - self.interval_s) + 1, math.floor(now) + 1, dtype=np.float64)
+        self._streaming = [r for r in candidates if not r.finished and not r.rejected]
+        if not len(seconds):
+            return
+        firsts = np.sort([r.first_token_s for r in candidates])
+        ends = np.sort([r.last_token_s if r.finished else math.inf for r in candidates])
+        counts = np.searchsorted(firsts, seconds, "right") - np.searchsorted(ends, seconds, "right")
+        obs.streams_mean, obs.streams_p90 = float(counts.mean()), float(np.percentile(counts, 90))
 
     def _latencies(self, obs: Observation, started: list[RequestRecord], completed: list[RequestRecord]) -> None:
         ttft = [r.ttft_s for r in started if r.ttft_s is not None]
