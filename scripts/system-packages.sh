@@ -8,6 +8,7 @@ set -euo pipefail
 PACKAGES=(
   "make:make"
   "redis-server:redis-server"
+  "chromium:chromium"  # the dashboard's browser test (Playwright drives it)
 )
 
 missing=()

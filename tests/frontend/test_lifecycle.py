@@ -113,6 +113,6 @@ def test_metrics_expose_latency_histograms_tokens_and_worker_gauges(server: Serv
     assert metric(server.url, "tokenmill_requests_total", status="success") >= 1
     assert metric(server.url, "tokenmill_requests_total", status="rejected") >= 1
     assert metric(server.url, "tokenmill_workers") == 1.0
-    assert metric(server.url, "tokenmill_cost_per_million_output_tokens_usd") > 0.0
+    assert metric(server.url, "tokenmill_cost_per_million_tokens") > 0.0
     text = httpx.get(f"{server.url}/metrics").text
     assert 'tokenmill_worker_kv_usage{worker="local"}' in text

@@ -56,7 +56,7 @@ def test_backend_gauges_and_cost_per_million_tokens() -> None:
     samples = _samples(metrics)
     assert samples[("tokenmill_worker_kv_usage", (("worker", "a"),))] == 0.5
     assert samples[("tokenmill_worker_kv_usage", (("worker", "b"),))] == 0.25
-    assert samples[("tokenmill_cost_per_million_output_tokens_usd", ())] == pytest.approx(7.2 / 360_000 * 1e6)
+    assert samples[("tokenmill_cost_per_million_tokens", ())] == pytest.approx(7.2 / 360_000 * 1e6)
 
 
 def test_request_timer_feeds_histograms_and_counters() -> None:
@@ -72,4 +72,4 @@ def test_request_timer_feeds_histograms_and_counters() -> None:
     assert (samples[("tokenmill_input_tokens_total", ())], samples[("tokenmill_output_tokens_total", ())],
             samples[("tokenmill_cached_tokens_total", ())]) == (7, 3, 4)
     assert samples[("tokenmill_requests_total", (("status", "success"),))] == 1
-    assert ("tokenmill_cost_per_million_output_tokens_usd", ()) not in samples  # no price configured
+    assert ("tokenmill_cost_per_million_tokens", ()) not in samples  # no price configured

@@ -141,6 +141,10 @@ class AsyncLLMEngine:
         """Run `fn(engine)` on the engine thread (for admin and inspection)."""
         return await self._call(lambda: fn(self.engine))
 
+    async def set_tiers_enabled(self, enabled: bool) -> bool:
+        """`LLMEngine.set_tiers_enabled` on the engine thread, between steps."""
+        return bool(await self._call(lambda: self.engine.set_tiers_enabled(enabled)))
+
     async def pin_prefix(self, token_ids: list[int]) -> bool:
         """`LLMEngine.pin_prefix` on the engine thread (ValueError without KV tiers)."""
         return bool(await self._call(lambda: self.engine.pin_prefix(list(token_ids))))

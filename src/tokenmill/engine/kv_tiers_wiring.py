@@ -76,7 +76,9 @@ def _shared_tier(config: EngineConfig, model_config: ModelConfig) -> Any:
 
 
 class EngineTiers:
-    """Connects one engine's block pool and KV tensor to a `TieredKVManager`."""
+    """Connects one engine's block pool and KV tensor to a `TieredKVManager`. While `enabled` is
+    False (an operator turned the managed cache off) nothing is stored to the tiers or loaded
+    from them; what they hold stays for when it is turned on again."""
 
     def __init__(self, manager: TieredKVManager, pool: BlockPool, kv_cache: torch.Tensor,
                  hash_seed: int) -> None:
@@ -85,6 +87,7 @@ class EngineTiers:
         self.kv_cache = kv_cache
         self.hash_seed = hash_seed
         self.bad_payloads = 0
+        self.enabled = True  # switched on the engine thread (LLMEngine.set_tiers_enabled), between steps
         self._just_loaded: set[int] = set()
         pool.on_evict = self.offload
         if manager.write_through and manager.shared is not None and pool.events is not None:
@@ -101,13 +104,15 @@ class EngineTiers:
 
     # -- offload (pool.on_evict, engine thread) ------------------------------------------
     def offload(self, blocks: list[KVBlock]) -> None:
+        if not self.enabled:
+            return
         batch = [OffloadBlock(b.block_hash, b.parent_hash, b.token_ids or (), snapshot_block(self.kv_cache, b.block_id))
                  for b in blocks if b.block_hash is not None]
         self.manager.offload(batch)
 
     # -- onboard (TierSource, called by KVCacheManager at admission) -----------------------
     def lookup(self, hashes: Sequence[int]) -> int:
-        return len(self.manager.lookup(hashes)) if hashes else 0
+        return len(self.manager.lookup(hashes)) if hashes and self.enabled else 0
 
     def load_into(self, blocks: Sequence[KVBlock], hashes: Sequence[int],
                   tokens: Sequence[Sequence[int]]) -> int:

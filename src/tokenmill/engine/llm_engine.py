@@ -47,6 +47,8 @@ class EngineStats:
     prefill_blocks: int  # uncached blocks of requests still before their first token (waiting included)
     decode_blocks: int  # blocks generating requests hold beyond their prefix hits
     onboarded_tokens: int = 0  # prompt tokens loaded from KV tiers instead of computed
+    queried_tokens: int = 0  # prompt tokens looked up in the prefix cache at admission
+    device_hit_tokens: int = 0  # ... and found on the device
     num_held: int = 0  # prefill-only requests holding KV for a decode worker
     num_importing: int = 0  # requests waiting for their prompt KV to arrive
     tier_stats: dict[str, Any] = field(default_factory=dict)  # TieredKVManager.stats(); {} without tiers
@@ -192,6 +194,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def set_tiers_enabled(self, enabled: bool) -> bool:
+        """Use the KV tiers below the device pool, or not (False without tiers: nothing to switch)."""
+        if self.tiers is None:
+            return False
+        self.tiers.enabled = enabled
+        return True
+
     def pin_prefix(self, token_ids: list[int]) -> bool:
         """Pin the full blocks of a prefix in every KV tier (False when a tier's pin cap is
         reached or the prefix has no full block); engine thread only."""
@@ -316,7 +325,8 @@ class LLMEngine:
             prefill_step_seconds=s["prefill"], decode_step_seconds=s["decode"],
             num_decode_only_steps=c["decode_steps"], num_preemptions=c["preemptions"],
             prefill_blocks=prefill_blocks, decode_blocks=decode_blocks, request_blocks=request_blocks,
-            onboarded_tokens=self.kv.stats.onboarded_tokens,
+            onboarded_tokens=self.kv.stats.onboarded_tokens, queried_tokens=self.kv.stats.queried_tokens,
+            device_hit_tokens=self.kv.stats.hit_tokens,
             num_held=len(self.handoff.held), num_importing=len(self.handoff.importing),
             tier_stats=self.tiers.stats() if self.tiers is not None else {},
         )

@@ -21,6 +21,8 @@ from tokenmill.frontend.access_log import AccessLog
 from tokenmill.frontend.auth import ApiKeys
 from tokenmill.frontend.backend import Backend
 from tokenmill.frontend.body import DEFAULT_MAX_BODY_BYTES
+from tokenmill.frontend.dashboard import Dashboard
+from tokenmill.frontend.dashboard.routes import dashboard_router
 from tokenmill.frontend.errors import APIError, error_json, install_error_handlers
 from tokenmill.frontend.generation import ServingContext
 from tokenmill.frontend.metrics import FrontendMetrics
@@ -40,22 +42,28 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour: float | None = None,
                request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, manage_backend: bool = True,
-               keys: ApiKeys = ApiKeys(), access_log: bool = True, tool_call_parser: str | None = None) -> HotRoutes:
+               keys: ApiKeys = ApiKeys(), access_log: bool = True, tool_call_parser: str | None = None,
+               api_servers: int = 1) -> HotRoutes:
     """The ASGI app. `request_timeout_s` is every request's deadline (None: none);
-    `usd_per_worker_hour` enables the `tokenmill_cost_per_million_output_tokens_usd` gauge;
+    `usd_per_worker_hour` enables the `tokenmill_cost_per_million_tokens` gauge;
     `keys` guard the `/v1` and `/admin` routes (`auth.py`); `access_log` writes a line per
-    generation request (`access_log.py`); `tool_call_parser` overrides the chat template's call format."""
+    generation request (`access_log.py`); `tool_call_parser` overrides the chat template's call format;
+    `api_servers` is how many frontends share the deployment (the dashboard's toggles need one)."""
     metrics = FrontendMetrics(backend.metrics_snapshot, usd_per_worker_hour)
     ctx = ServingContext(backend, metrics, served_model_name, request_timeout_s, max_body_bytes, int(time.time()),
                          tool_call_parser)
+
+    dashboard = Dashboard(ctx, keys.api, api_servers)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if manage_backend:
             await backend.start()
+        dashboard.start()
         try:
             yield
         finally:
+            await dashboard.stop()
             if manage_backend:
                 await backend.stop()
 
@@ -63,11 +71,14 @@ def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour:
     app.state.serving = ctx
     install_error_handlers(app, metrics.count_http_error)
     app.include_router(admin_router(ctx))
+    app.include_router(dashboard_router(dashboard, max_body_bytes))
     _add_service_routes(app, ctx)
     hot = {"/v1/completions": partial(create_completion, ctx),
            "/v1/chat/completions": partial(create_chat_completion, ctx),
            "/v1/responses": partial(create_response, ctx)}
-    return HotRoutes(app, hot, metrics.count_http_error, keys, AccessLog(access_log))
+    outer = HotRoutes(app, hot, metrics.count_http_error, keys, AccessLog(access_log))
+    dashboard.attach(outer)
+    return outer
 
 
 def _model_card(ctx: ServingContext) -> ModelCard:

@@ -87,11 +87,16 @@ class DistributedBackend:
                                   **self.pool.router.metrics_snapshot(), **self.disagg.metrics_snapshot()}
         for conn in self.pool.connections.values():
             for key in ("kv_usage", "prefix_hit_rate", "num_waiting", "num_running", "prefill_tokens",
-                        "onboarded_tokens", "num_held", "num_importing", "kv_handles", "kv_pulls",
-                        "kv_pull_failures", "kv_transfer_bytes", "kv_transfer_seconds"):
+                        "onboarded_tokens", "queried_tokens", "device_hit_tokens", "tiers_enabled", "num_held",
+                        "num_importing", "kv_handles", "kv_pulls", "kv_pull_failures", "kv_transfer_bytes",
+                        "kv_transfer_seconds"):
                 if key in conn.load:
                     snap[f'tokenmill_worker_{key}{{worker="{conn.worker_id}"}}'] = float(conn.load[key])
             snap.update(tier_gauges(conn.worker_id, conn.load))
+        if self.worker_control is not None:
+            for role, states in self.worker_control.snapshot()["replicas"].items():
+                for state, count in states.items():
+                    snap[f'tokenmill_workers_by_state{{role="{role}",state="{state}"}}'] = float(count)
         return snap
 
     async def pin_prefix(self, token_ids: list[int], timeout_s: float = 30.0) -> dict[str, str | None]:
@@ -136,12 +141,12 @@ class DistributedBackend:
                 finally:
                     self.pool.router.on_finished(request_id)
         finally:
-            if progress.kv_handle is not None:  # never handed to a decode worker: free it now
-                self.prefill.discard(request_id)
+            self.prefill.discard(request_id)  # a handle no decode worker took: free its blocks now
 
     def _wants_remote_prefill(self, progress: _Progress, decode_worker: str) -> bool:
-        """Only a fresh request, and only when the policy sends its prompt to the prefill pool."""
-        if progress.generated or progress.migrations:
+        """Only a fresh request to a decode worker (an aggregated one, while workers are re-roled,
+        takes no KV), and only when the policy sends its prompt to the prefill pool."""
+        if progress.generated or progress.migrations or self.pool.connections[decode_worker].info.role == "agg":
             return False
         queues = self.prefill.queues()
         if not queues and not self.prefill.deployed:
@@ -190,6 +195,7 @@ class DistributedBackend:
                        deadline: float, excluded: set[str]) -> AsyncIterator[RequestOutput]:
         queue = conn.open_stream(request_id)
         worker_done = False  # the worker has ended this attempt itself; no abort needed
+        carried = progress.kv_handle is not None  # a prefill worker holds KV for this attempt
         try:
             conn.send(self._generate_message(request_id, progress, deadline))  # a failed send: LOST below
             while not progress.finished:
@@ -206,6 +212,9 @@ class DistributedBackend:
                     return
                 else:
                     out = _merge_ready(p.output_from_wire(msg), queue)
+                    if carried:  # the decode worker pulled the KV (or recomputed it): it releases it
+                        carried = False
+                        self.prefill.settled(request_id)
                     cached_here = out.num_cached_tokens  # this attempt's hit, before _account restates it
                     out = self._account(out, progress)
                     # the router's decode charge follows what the worker now holds (router/load.py)
@@ -217,11 +226,11 @@ class DistributedBackend:
             conn.close_stream(request_id)
             if not worker_done and conn.worker_id in self.pool.connections:
                 conn.send({"type": p.ABORT, "request_id": request_id})
+            if carried:  # refused, lost or cut before it answered: free the held KV now, not at its timeout
+                self.prefill.discard(request_id)
 
     def _generate_message(self, request_id: str, progress: _Progress, deadline: float) -> dict:
         handle, progress.kv_handle = progress.kv_handle, None  # one decode attempt may use it
-        if handle is not None:
-            self.prefill.handed_over(request_id)
         return p.generate_message(request_id, progress.prompt + progress.generated, progress.params, None,
                                   len(progress.generated), max(0.0, deadline - time.monotonic()),
                                   progress.text_pending, kv_handle=handle,
@@ -234,7 +243,7 @@ class DistributedBackend:
         log.warning("migrating a request off worker %s after %d tokens", conn.worker_id, len(progress.generated))
 
     def _raise_for_error(self, msg: dict, conn: WorkerConnection, progress: _Progress, excluded: set[str]) -> None:
-        if msg.get("code") == p.OVERLOADED:
+        if msg.get("code") == p.OVERLOADED:  # refused (full, or draining): the next worker recomputes
             excluded.add(conn.worker_id)
             return
         if not progress.generated:

@@ -105,7 +105,8 @@ async def run_http(args: argparse.Namespace, backend) -> None:
 
     app = create_app(backend, model_name(args), usd_per_worker_hour=args.usd_per_worker_hour or None,
                      request_timeout_s=args.request_timeout_s, keys=api_keys(args),
-                     access_log=not args.no_access_log, tool_call_parser=args.tool_call_parser)
+                     access_log=not args.no_access_log, tool_call_parser=args.tool_call_parser,
+                     api_servers=getattr(args, "api_servers", 1))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            http="httptools", access_log=False,
                                            timeout_graceful_shutdown=5))

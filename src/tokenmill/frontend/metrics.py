@@ -5,7 +5,7 @@ counts, outcomes). Worker-side and router series come from `Backend.metrics_snap
 read at scrape time and typed by their names (`metric_families.py`); its keys are Prometheus
 series names, optionally with labels:
 `tokenmill_worker_kv_usage{worker="w0"}`. `tokenmill_workers` (the number of serving
-workers) also feeds the cost gauge:
+workers) also feeds the cost gauge `tokenmill_cost_per_million_tokens`:
     usd_per_worker_hour × workers ÷ (output tokens per hour over the last window) × 1e6.
 """
 from __future__ import annotations
@@ -107,8 +107,9 @@ class _BackendCollector(Collector):
         yield from self._families(snapshot)
         cost = self._cost(snapshot.get(WORKERS_GAUGE, 1.0))
         if cost is not None:
-            yield GaugeMetricFamily("tokenmill_cost_per_million_output_tokens_usd",
-                                    "worker cost per million output tokens at the recent output rate", value=cost)
+            yield GaugeMetricFamily("tokenmill_cost_per_million_tokens",
+                                    "USD per million output tokens: workers x the price of a worker-hour, "
+                                    "over the output rate of the last minute", value=cost)
 
     def _families(self, snapshot: dict[str, float]) -> Iterator[Metric]:
         series = []
@@ -190,6 +191,8 @@ class FrontendMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.input_tokens = Counter("tokenmill_input_tokens", "prompt tokens", registry=r)
         self.output_tokens = Counter("tokenmill_output_tokens", "generated tokens", registry=r)
+        self.generated_tokens = Counter("tokenmill_generated_tokens", "output tokens as they reach the clients "
+                                        "(tokenmill_output_tokens_total counts them as requests finish)", registry=r)
         self.cached_tokens = Counter("tokenmill_cached_tokens", "prompt tokens served from a prefix cache",
                                      registry=r)
         self.requests = Counter("tokenmill_requests", "finished requests by outcome", ["status"], registry=r)
@@ -242,6 +245,7 @@ class RequestTimer:
                 self.metrics.itl.observe(per_token)
         self.last_token_at = now
         self.metrics.output_rate.add(count)
+        self.metrics.generated_tokens.inc(count)
 
     def on_finish(self, status: str, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None:
         m = self.metrics

@@ -5,9 +5,10 @@ by the prefill pool's router, and yields the first token the moment that worker 
 keeping the KV transfer handle that came with it on the request's progress for the decode
 attempt. A prefill worker that dies, refuses (overloaded) or fails is excluded and the next
 one tried, up to `max_prefill_attempts`; then the policy records `prefill_failed` and the
-decode worker prefills the prompt itself. A handle that never reaches a decode worker (the
-client left, the deadline passed) is `discard`ed: the prefill worker frees its blocks at once
-instead of waiting for its hold to time out.
+decode worker prefills the prompt itself. A handle no decode worker took (the client left, the
+deadline passed, the decode worker refused it: it was draining) is `discard`ed: the prefill
+worker frees its blocks at once instead of waiting for its hold to time out. A decode worker
+has taken it once it answers with tokens (`settled`): it pulled the blocks or recomputed them.
 """
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ class RemotePrefill:
         self.policy.fell_back()
         log.warning("remote prefill of %s failed on %s; prefilling on the decode worker", request_id, sorted(tried))
 
-    def handed_over(self, request_id: str) -> None:
-        """The handle went to a decode worker, which now releases the blocks."""
+    def settled(self, request_id: str) -> None:
+        """A decode worker answered the request that carried the handle: it releases the blocks."""
         self._holders.pop(request_id, None)
 
     def discard(self, request_id: str) -> None:

@@ -161,6 +161,7 @@ class WorkerPool:
         self.poll_s = poll_s
         self.ctx = zmq.Context.instance()
         self.connections: dict[str, WorkerConnection] = {}
+        self.join_messages: list[dict[str, Any]] = []  # sent to each worker as it joins (runtime settings)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -217,7 +218,9 @@ class WorkerPool:
                 log.info("worker %s joined at %s", worker_id, info.address)
                 router = self.router_for(info.role)
                 router.add_worker(worker_id)
-                self.connections[worker_id] = WorkerConnection(info, self.ctx, router)
+                conn = self.connections[worker_id] = WorkerConnection(info, self.ctx, router)
+                for message in self.join_messages:
+                    conn.send(message)
 
     async def _poll(self) -> None:
         while True:

@@ -40,6 +40,7 @@ class LiveDeployment:
     warmup_s: float = 60.0
     metrics: PlannerMetrics | None = None
     outcomes: list[ActionOutcome] = field(default_factory=list)
+    paused: bool = False  # observes but neither decides nor acts (the dashboard's planner switch)
     _last: dict[str, Any] | None = None
     _started: float = field(default_factory=time.monotonic)
 
@@ -53,7 +54,10 @@ class LiveDeployment:
             except TimeoutError:
                 pass
             try:
-                await self.tick()
+                if self.paused:
+                    self._last = scrape(await self._text("/metrics"))  # resumed, it plans on fresh intervals
+                else:
+                    await self.tick()
             except httpx.HTTPError as exc:  # the frontend is away: hold, and try again next interval
                 log.warning("planner: the deployment did not answer (%s); holding", exc)
 

@@ -19,6 +19,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.planner.observation import DRAINING, SERVING, STARTING, Observation, squared_cv
+from tokenmill.runtime.histograms import quantile_between
 
 _COUNTERS = ("tokenmill_requests_started_total", "tokenmill_input_tokens_total", "tokenmill_output_tokens_total",
              "tokenmill_cached_tokens_total", "tokenmill_requests_total", "tokenmill_input_tokens_squared_total")
@@ -82,11 +83,11 @@ def observe(before: Mapping[str, Any], after: Mapping[str, Any], at_s: float, in
         obs.isl_cv2 = squared_cv(finished, delta["tokenmill_input_tokens_total"],
                                  delta["tokenmill_input_tokens_squared_total"])
     for key in _LATENCIES:
-        p50, p90 = (_quantile_delta(q, before["buckets"][key], after["buckets"][key]) for q in (0.5, 0.9))
+        p50, p90 = (quantile_between(q, before["buckets"][key], after["buckets"][key]) for q in (0.5, 0.9))
         setattr(obs, f"{key}_p50_s", p50)
         setattr(obs, f"{key}_p90_s", p90)
     buckets = before["buckets"]["prompt_tokens_per_s"], after["buckets"]["prompt_tokens_per_s"]
-    obs.peak_prompt_tokens_per_s = _quantile_delta(PEAK_QUANTILE, *buckets)
+    obs.peak_prompt_tokens_per_s = quantile_between(PEAK_QUANTILE, *buckets)
     _streams(obs, before, after)
     serving = {w["name"]: w for w in workers if w.get("state") == "serving"}
     gauges = after["workers"]
@@ -104,7 +105,7 @@ def _streams(obs: Observation, before: Mapping[str, Any], after: Mapping[str, An
     if samples <= 0:
         return
     obs.streams_mean = (after["sums"]["streams"] - before["sums"]["streams"]) / samples
-    obs.streams_p90 = _quantile_delta(0.9, before["buckets"]["streams"], after["buckets"]["streams"])
+    obs.streams_p90 = quantile_between(0.9, before["buckets"]["streams"], after["buckets"]["streams"])
 
 
 def _replicas(obs: Observation, workers: list[Mapping[str, Any]], at_s: float, warmup_s: float) -> None:
@@ -118,25 +119,3 @@ def _replicas(obs: Observation, workers: list[Mapping[str, Any]], at_s: float, w
         serving_since = worker.get("serving_since", worker.get("started_at"))
         if state == SERVING and isinstance(serving_since, (int, float)) and at_s - serving_since >= warmup_s:
             obs.warm_replicas[role] = obs.warm_replicas.get(role, 0) + 1
-
-
-def _quantile_delta(q: float, before: Mapping[float, float], after: Mapping[float, float]) -> float | None:
-    """The q-quantile of what a histogram observed between two scrapes (None if nothing)."""
-    bounds = sorted(after)
-    counts = [after[b] - before.get(b, 0.0) for b in bounds]
-    if not counts or counts[-1] <= 0 or any(c < 0 for c in counts):
-        return None
-    return _quantile(q, bounds, counts)
-
-
-def _quantile(q: float, bounds: list[float], cumulative: list[float]) -> float:
-    """Prometheus' histogram_quantile over cumulative bucket counts (the last bound is +Inf)."""
-    rank = q * cumulative[-1]
-    for i, (bound, count) in enumerate(zip(bounds, cumulative)):
-        if count >= rank:
-            if math.isinf(bound):
-                return bounds[i - 1] if i else 0.0
-            low, below = (bounds[i - 1], cumulative[i - 1]) if i else (0.0, 0.0)
-            in_bucket = count - below
-            return low + (bound - low) * ((rank - below) / in_bucket if in_bucket else 1.0)
-    return bounds[-2] if len(bounds) > 1 else 0.0

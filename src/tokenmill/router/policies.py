@@ -25,6 +25,7 @@ late starts with a gap and is rebuilt from its snapshot.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -71,6 +72,7 @@ class Router:
                  timer: Callable[[], float] = time.perf_counter) -> None:
         self.config = config or RouterConfig()
         self.policy = self.config.policy
+        self._tier_weights = dict(self.config.cost.tier_weights)  # as configured, for use_tiers(True)
         self.rng = rng or random.Random()
         self.timer = timer
         self.load = LoadTracker(self.config.block_size)
@@ -107,7 +109,7 @@ class Router:
         started = self.timer()
         pool = self._candidates(candidates)
         prompt_blocks = request.prompt_blocks(self.config.block_size)
-        if self.indexer is not None or self.approx is not None:
+        if self.policy == "kv" and self.indexer is not None or self.policy == "kv-approx" and self.approx is not None:
             decision = self._select_by_cost(request, pool, prompt_blocks)
         else:
             worker, reason = self._select_by_rule(pool)
@@ -122,6 +124,23 @@ class Router:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", decision.explain())
         return decision
+
+    def set_policy(self, policy: str) -> None:
+        """Route the next requests by `policy`. `kv` and `kv-approx` need the index this router was
+        built with; every policy keeps feeding it, so switching back routes on a current index."""
+        if policy not in POLICIES:
+            raise ValueError(f"--router must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if policy == "kv" and self.indexer is None or policy == "kv-approx" and self.approx is None:
+            raise ValueError(f"this router was built for {self.config.policy}: {policy} needs an index it lacks")
+        self.policy = policy
+
+    def use_tiers(self, enabled: bool) -> None:
+        """Count the blocks workers hold in KV tiers below their device pools, or (tiers turned off
+        on the workers: nothing is loaded from them) only their device blocks."""
+        weights = dict(self._tier_weights)
+        if not enabled:
+            weights = {tier: weight if tier == "device" else 0.0 for tier, weight in weights.items()}
+        self.config.cost = dataclasses.replace(self.config.cost, tier_weights=weights)
 
     def on_first_token(self, request_id: str) -> None:
         self.load.on_first_token(request_id)
@@ -191,7 +210,8 @@ class Router:
         chosen = terms[chosen_index]
         return RoutingDecision(
             request.request_id, chosen.worker, self.policy, reason, prompt_blocks,
-            overlap_blocks=sum(chosen.overlap.values()), prefill_charge=chosen.new_prefill,
+            overlap_blocks=sum(n for tier, n in chosen.overlap.items() if cost.tier_weights[tier] > 0),
+            prefill_charge=chosen.new_prefill,
             decode_charge=chosen.request_decode, probability=probability, terms=terms)
 
     def _select_by_rule(self, pool: Sequence[str]) -> tuple[str, str]:

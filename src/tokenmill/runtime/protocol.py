@@ -33,6 +33,7 @@ TOKENS, ERROR, HEARTBEAT = "tokens", "error", "heartbeat"
 KV_SNAPSHOT, KV_EVENTS = "kv_snapshot", "kv_events"
 BATCH = "batch"
 PIN, PINNED = "pin", "pinned"  # {request_id, prompt_token_ids} -> {request_id, ok, error}
+TIERS = "tiers"  # {enabled}: store to and load from the KV tiers below the device pool, or not
 
 # error codes a worker may answer a generate with
 INVALID_REQUEST, OVERLOADED, INTERNAL = "invalid_request", "overloaded", "internal"

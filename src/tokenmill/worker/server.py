@@ -88,6 +88,7 @@ class WorkerServer:
         self.prefill_only: set[str] = set()  # ids in `tasks` that end with a KV handle
         self.requests_served = 0
         self.draining = False
+        self.tiers_enabled = True  # the managed cache: turned off and on by the admin API (p.TIERS)
         self._drain_task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
         self.publisher = (KVEventPublisher(engine, settings.worker_id, settings.events_address)
@@ -187,10 +188,12 @@ class WorkerServer:
                 "draining": float(self.draining),
                 "frontends": len(self.peers),
                 "prefill_tokens": stats.prefill_tokens, "onboarded_tokens": stats.onboarded_tokens,
+                "queried_tokens": stats.queried_tokens, "device_hit_tokens": stats.device_hit_tokens,
                 "num_held": stats.num_held, "num_importing": stats.num_importing,
                 "num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks,
                 **(self.transfer.load() if self.transfer is not None else {}),
-                **_tier_load(stats.tier_stats)}
+                **_tier_load(stats.tier_stats),
+                **({"tiers_enabled": float(self.tiers_enabled)} if stats.tier_stats else {})}
 
     def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) == 2:
@@ -227,6 +230,14 @@ class WorkerServer:
             asyncio.create_task(self._send_snapshot(peer))
         elif kind == p.PIN:
             asyncio.create_task(self._pin(peer, msg))
+        elif kind == p.TIERS:
+            asyncio.create_task(self._set_tiers(bool(msg.get("enabled"))))
+
+    async def _set_tiers(self, enabled: bool) -> None:
+        """Admin: store to and load from the KV tiers, or not (a worker without tiers ignores it)."""
+        if await self.engine.set_tiers_enabled(enabled):
+            self.tiers_enabled = enabled
+            log.info("KV tiers %s", "on" if enabled else "off")
 
     async def _pin(self, peer: bytes, msg: dict) -> None:
         """Admin: pin a prefix in this worker's KV tiers; a refusal is `ok: false` with the reason."""
