@@ -6,7 +6,7 @@ SMOLLM2 := .models/smollm2-135m-instruct
 MODEL ?= $(SMOLLM2)
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-packages test serve clean
+.PHONY: install system-packages test serve demo clean
 
 install: $(STAMP)
 
@@ -33,6 +33,14 @@ $(SMOLLM2)/config.json: | install
 
 serve: install $(MODEL)/config.json
 	$(BIN)/tokenmill serve --model $(MODEL)
+
+# The live dashboard (http://127.0.0.1:8000/dashboard) over 1 prefill + 1 decode small-moe worker
+# with a host KV tier, a worker-hour priced at $1; `make demo MOCK=MODEL@GPU` (e.g.
+# llama-3.1-70b@h100:fp8:tp4) runs 2 + 2 mock workers clocked by that GPU profile instead.
+DEMO_KV := --kv-cache-blocks 400 --kv-host-gb 2 --usd-per-worker-hour 1
+demo: install system-packages .models/small-moe/config.json
+	$(BIN)/tokenmill serve --model .models/small-moe --router kv \
+	  $(if $(MOCK),--prefill 2 --decode 2 --runner mock --mock-profile $(MOCK),--prefill 1 --decode 1 $(DEMO_KV))
 
 clean:
 	rm -rf $(VENV) .models

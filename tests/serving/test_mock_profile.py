@@ -71,6 +71,12 @@ def test_serve_with_a_profile_answers_and_sizes_the_pool_from_it(tiny_dense: Pat
         assert reply.json()["usage"]["completion_tokens"] == 12
         (worker,) = server.registry()
         assert worker["metadata"]["num_blocks"] == StepClock.from_text(PROFILE).kv_capacity_tokens() // 16
+        # no --usd-per-worker-hour: the profile's one H100 at $3 per GPU-hour, 20 GPU-hours per wall hour
+        text = httpx.get(server.url + "/metrics", trust_env=False).text
+        gauges = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith(("tokenmill_usd_per_worker_hour ", "tokenmill_cost_per_million_tokens "))}
+        assert gauges["tokenmill_usd_per_worker_hour"] == 1 * 3.0 * 20
+        assert gauges["tokenmill_cost_per_million_tokens"] > 0
     finally:
         stop_server(server)
 

@@ -41,6 +41,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "the live mock fleet (--mock-profile) against the fleet simulator on the same trace slice"),
     ("fleet-sim", "tokenmill.bench.fleet_sim_bench",
      "fleet simulator speed: the whole Azure conv trace on the fleet it needs, wall time on one core"),
+    ("demo", "tokenmill.bench.demo_bench",
+     "each dashboard scenario under each toggle state (off, disaggregation, +KV routing, +managed cache): a table, a PNG"),
     ("frontend", "tokenmill.bench.frontend_bench",
      "serving hot path: wrk against tokenmill serve with instant mock workers: req/s, latency, CPU/1k req, RSS"),
 )

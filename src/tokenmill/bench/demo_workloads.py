@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.bench.prompt_synth import HashBlockSynth, TokenSpace
+from tokenmill.bench.prompt_synth import HashBlockSynth, RequestSpec, TokenSpace
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 _WORDS = ("revenue margin liquidity covenant exposure hedge counterparty default spread tranche collateral "
@@ -131,6 +131,34 @@ class TrialProtocol:
             history.pop()
             return
         history.append(({"role": "assistant", "content": text}, self.count_tokens(text) + self.MESSAGE_OVERHEAD))
+
+
+def scenario_specs(name: str, seed: int, rate: float, duration_s: float, encode_chat: Callable[[list], list[int]],
+                   count_tokens: Callable[[str], int], context_length: int) -> list[RequestSpec]:
+    """A scenario's requests for `tokenmill bench demo`, fixed ahead: Poisson arrivals at `rate`
+    over `duration_s` from `seed`, each prompt the chat template's token ids (`encode_chat`), so
+    the live run and the fleet simulator's replay of it see the same tokens. A trial agent's
+    answers in its history are placeholder text of the answer's length (what a turn reuses is the
+    corpus and the turns before, the same either way)."""
+    rng = random.Random(seed)
+    arrivals, t = [], rng.expovariate(rate)
+    while t < duration_s:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    if name == "risk":
+        source: RiskSynthesis | TrialProtocol = RiskSynthesis(seed, count_tokens, "", min(1500, context_length // 2))
+    else:
+        source = TrialProtocol(seed, count_tokens, "", context_length)
+    specs = []
+    for at in arrivals:
+        request = source.next(set())
+        if request is None:
+            continue
+        body = request.body
+        specs.append(RequestSpec(encode_chat(body["messages"]), body["max_tokens"], arrival_s=at))
+        if request.agent is not None and isinstance(source, TrialProtocol):
+            source.answered(request.agent, words(rng, _TRIAL_WORDS, body["max_tokens"] // 2))
+    return specs
 
 
 def trace_requests(path: str, rate_scale: float, model: str, block_size: int, vocab_size: int,

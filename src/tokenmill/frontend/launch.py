@@ -3,11 +3,13 @@ backend (worker pool + router) and the HTTP server."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 
 from tokenmill.frontend.auth import ApiKeys
 from tokenmill.router.policies import POLICIES
@@ -19,7 +21,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="model id in the API (default: the directory name)")
-    parser.add_argument("--usd-per-worker-hour", type=float, default=0.0)
+    parser.add_argument("--usd-per-worker-hour", type=float, default=0.0,
+                        help="the price of a worker-hour, for tokenmill_cost_per_million_tokens (default with "
+                             "--mock-profile: its GPUs at $3 per GPU-hour, times --mock-speedup)")
     parser.add_argument("--request-timeout-s", type=float, default=600.0, help="deadline of every request")
     parser.add_argument("--router", default=None, choices=POLICIES,
                         help="how requests are routed to workers (default: kv with several workers)")
@@ -113,6 +117,7 @@ async def run_http(args: argparse.Namespace, backend) -> None:
     sockets = [shared_port_socket(args.host, args.port)] if args.reuse_port else None
     planner = _start_planner(app, args)
     log.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
+    announce = asyncio.create_task(_announce_when_up(server, f"http://{args.host}:{args.port}"))
     if threading.current_thread() is threading.main_thread():
         # uvicorn shuts down on SIGTERM, then raises it again with the handler found before it
         # started: the default one would end the process before the callers' cleanup (stopping
@@ -121,8 +126,17 @@ async def run_http(args: argparse.Namespace, backend) -> None:
     try:
         await server.serve(sockets=sockets)
     finally:
+        announce.cancel()
         if planner is not None:
             await planner.close()
+
+
+async def _announce_when_up(server: Any, url: str) -> None:
+    """Say where the API and the dashboard are once the server listens (not before: a browser
+    opened on the line finds them)."""
+    while not server.started:
+        await asyncio.sleep(0.1)
+    log.info("ready: the API at %s/v1, the dashboard at %s/dashboard", url, url)
 
 
 def _start_planner(app, args: argparse.Namespace):

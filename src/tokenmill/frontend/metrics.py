@@ -105,6 +105,9 @@ class _BackendCollector(Collector):
             log.exception("backend metrics_snapshot failed")
             snapshot = {}
         yield from self._families(snapshot)
+        if self.usd_per_worker_hour is not None:
+            yield GaugeMetricFamily("tokenmill_usd_per_worker_hour", "the price of a worker-hour the cost is "
+                                    "reckoned at", value=self.usd_per_worker_hour)
         cost = self._cost(snapshot.get(WORKERS_GAUGE, 1.0))
         if cost is not None:
             yield GaugeMetricFamily("tokenmill_cost_per_million_tokens",

@@ -59,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         # flag errors here, once, not in N workers; the profile is resolved as each worker will
-        resolve_mock_profile(engine_config_from_args(args), args.mock_profile)
+        config, clock = resolve_mock_profile(engine_config_from_args(args), args.mock_profile)
+        if clock is not None and not args.usd_per_worker_hour:
+            args.usd_per_worker_hour = profile_worker_hour(clock.profile.gpus, config.mock_speedup)
         _check_topology(args)
         disagg_config(args)
         if args.planner_mode is not None:  # (the planner's modules load the simulator: only when asked)
@@ -123,6 +125,14 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
         for name in list(supervisor.children):
             remove_shared_files_of(supervisor.pid(name))  # of workers that had to be killed
     return 0
+
+
+def profile_worker_hour(gpus: int, speedup: float) -> float:
+    """What a mock worker's wall-clock hour costs: its profile's GPUs at the simulator's GPU-hour
+    price, for the `speedup` hours of GPU time it stands for."""
+    from tokenmill.sim.pareto import DEFAULT_USD_PER_GPU_HOUR
+
+    return gpus * DEFAULT_USD_PER_GPU_HOUR * speedup
 
 
 def _check_topology(args: argparse.Namespace) -> None:

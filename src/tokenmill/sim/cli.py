@@ -6,6 +6,8 @@ import json
 import logging
 from pathlib import Path
 
+from tokenmill.sim.pareto import DEFAULT_USD_PER_GPU_HOUR
+
 log = logging.getLogger(__name__)
 
 
@@ -34,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srch.add_argument("--gpus", type=int, required=True, help="GPU budget")
     srch.add_argument("--ttft-ms", type=float, default=None)
     srch.add_argument("--itl-ms", type=float, default=None)
-    srch.add_argument("--usd-per-gpu-hour", type=float, default=3.0)
+    srch.add_argument("--usd-per-gpu-hour", type=float, default=DEFAULT_USD_PER_GPU_HOUR)
     srch.add_argument("--power-cap-kw", type=float, default=None,
                       help="only deployments whose GPUs draw at most this (the catalog's power per GPU)")
     srch.add_argument("--json", dest="json_out", type=Path, default=None, help="write results to this JSON file")

@@ -28,6 +28,9 @@ def best_under_sla(tps_gpu: np.ndarray, ttft: np.ndarray, tpot: np.ndarray, feas
     return int(np.flatnonzero(ok)[np.argmax(tps_gpu[ok])])
 
 
+DEFAULT_USD_PER_GPU_HOUR = 3.0  # the price a GPU-hour is given unless one is named (--usd-per-gpu-hour)
+
+
 def usd_per_million_tokens(tps_gpu: float, usd_per_gpu_hour: float) -> float:
     """Cost of one million output tokens when every GPU-hour costs `usd_per_gpu_hour`."""
     if tps_gpu <= 0:

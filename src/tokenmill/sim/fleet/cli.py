@@ -21,6 +21,7 @@ from tokenmill.sim.fleet.clock import Profile, parse_layout
 from tokenmill.sim.fleet.config import SLA, FleetChange, FleetConfig
 from tokenmill.sim.fleet.report import FleetResult, run_fleet
 from tokenmill.sim.fleet.synthetic import synthetic
+from tokenmill.sim.pareto import DEFAULT_USD_PER_GPU_HOUR
 
 log = logging.getLogger(__name__)
 PROGRESS_MIN_REQUESTS = 20_000  # below this a run takes about a second: no bar
@@ -77,7 +78,7 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("targets and output")
     out.add_argument("--ttft-ms", type=float, default=2000.0)
     out.add_argument("--itl-ms", type=float, default=50.0)
-    out.add_argument("--usd-per-gpu-hour", type=float, default=3.0)
+    out.add_argument("--usd-per-gpu-hour", type=float, default=DEFAULT_USD_PER_GPU_HOUR)
     out.add_argument("--power-cap-kw", type=float, default=None, help="never provision more than this")
     out.add_argument("--interval-s", type=float, default=60.0, help="per-interval statistics period")
     out.add_argument("--seed", type=int, default=0)
