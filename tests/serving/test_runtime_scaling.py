@@ -257,6 +257,41 @@ def test_the_planner_retries_a_start_that_failed_and_never_counts_it(agg: tuple[
         wait_for(server, lambda listed: started not in listed or listed[started]["state"] != "draining", 30)
 
 
+def test_a_paused_planner_observes_but_neither_decides_nor_acts(agg: tuple[Server, Path]) -> None:
+    """The dashboard's planner switch: paused, the local connector keeps its baseline current
+    (so resuming plans on a fresh interval) and makes no decision and no change."""
+    from tests.planner.test_propose import FixedModel
+    from tokenmill.planner.constrain import Constrainer, Limits
+    from tokenmill.planner.live import LiveDeployment
+    from tokenmill.planner.planner import Planner
+    from tokenmill.planner.propose import Proposer
+
+    server, _ = agg
+    planner = Planner(_FixedLoad(), Proposer({"agg": FixedModel()}, disaggregated=False),
+                      Constrainer(Limits(), {"agg": 1}, 700.0))
+
+    async def scenario() -> tuple[LiveDeployment, int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, trust_env=False) as client:
+            live = LiveDeployment(planner, client, interval_s=0.3, warmup_s=0.0, paused=True)
+            stop = asyncio.Event()
+            task = asyncio.create_task(live.run(stop))
+            await asyncio.sleep(0.1)
+            baseline = id(live._last)
+            await asyncio.sleep(1.2)  # about four intervals
+            stop.set()
+            await task
+            return live, baseline
+
+    def live_workers() -> list[str]:
+        return sorted(name for name, w in workers(server).items() if w["state"] in ("starting", "serving"))
+
+    before = live_workers()
+    live, baseline = asyncio.run(scenario())
+    assert not planner.decisions and not live.outcomes  # it wants 2 replicas, yet nothing happened
+    assert id(live._last) != baseline  # scraped each interval all the same
+    assert live_workers() == before
+
+
 def test_a_reroled_worker_serves_in_its_new_role(tiny_dense: Path, tmp_path: Path) -> None:
     server = start_server(tiny_dense, tmp_path, "--runner", "mock", "--mock-step-time", "0.01,0,0,0",
                           "--prefill", "1", "--decode", "1", "--disagg-threshold", "0", workers=2)

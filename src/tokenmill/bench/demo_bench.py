@@ -9,7 +9,8 @@ the trial-protocol agents) runs for a fixed time under each state of the dashboa
 against one `tokenmill serve` whose toggles are switched through `/admin/settings`, exactly as
 the page does. The load is the scenario's own requests (`demo_workloads.scenario_specs`, a new
 seed per state so no state reuses another's prompts) streamed open-loop by the bench's client;
-the table has TTFT mean/p50/p90 and ITL p50/p99 as the client saw them, the prefix hits by tier
+a trial run starts with one unmeasured turn of each agent (a deployment in its steady state,
+not a cold one); the table has TTFT mean/p50/p90 and ITL p50/p99 as the client saw them, the prefix hits by tier
 from `/metrics` over the run (`dashboard.figures`), and the cost per million output tokens
 (workers x the price of a worker-hour x the run's hours / its output tokens).
 
@@ -44,6 +45,7 @@ STATES: tuple[tuple[str, dict[str, bool]], ...] = (
 )
 SCENARIOS = ("risk", "trial")
 REQUEST_TIMEOUT_S = 600.0
+WARMUP_CONCURRENCY = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-host-gb", type=float, default=2.0, help="each worker's host KV tier")
     parser.add_argument("--duration-s", type=float, default=60.0, help="load per scenario and state")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
-    parser.add_argument("--rate-risk", type=float, default=0.5, help="risk-synthesis requests per second")
-    parser.add_argument("--rate-trial", type=float, default=1.0, help="agent turns per second")
+    parser.add_argument("--rate-risk", type=float, default=0.1, help="risk-synthesis requests per second")
+    parser.add_argument("--rate-trial", type=float, default=0.15, help="agent turns per second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--usd-per-worker-hour", type=float, default=1.0,
                         help="the price of a worker-hour (with --mock: its GPUs at $3 per GPU-hour)")
@@ -141,14 +143,18 @@ async def _all_runs(url: str, args: argparse.Namespace, scenarios: list[str], co
 async def _one_run(admin: httpx.AsyncClient, target: Target, scenario: str, label: str, rate: float,
                    seed: int, tokenizer: Any, context: int, args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.bench.demo_workloads import scenario_specs
-    from tokenmill.bench.loadgen import make_client, new_records, run_open_loop
+    from tokenmill.bench.loadgen import make_client, new_records, run_closed_loop, run_open_loop
 
-    specs = scenario_specs(scenario, seed, rate, args.duration_s,
-                           lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-                           lambda text: len(tokenizer.encode(text)), context)
-    before, started = await _metrics_text(admin), time.time()
-    records = new_records(specs)
+    warmup, specs = scenario_specs(scenario, seed, rate, args.duration_s,
+                                   lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                                   lambda text: len(tokenizer.encode(text)), context)
+    warmup_started = time.time()
     async with make_client(None) as client:
+        if warmup:  # not measured: the caches of a deployment already in its steady state
+            await run_closed_loop(client, target, warmup, new_records(warmup), WARMUP_CONCURRENCY, lambda _: None)
+            await _settled_metrics_text(admin)
+        before, started = await _metrics_text(admin), time.time()
+        records = new_records(specs)
         await run_open_loop(client, target, specs, records, lambda _: None)
     seconds = time.time() - started
     after = await _settled_metrics_text(admin)
@@ -157,7 +163,7 @@ async def _one_run(admin: httpx.AsyncClient, target: Target, scenario: str, labe
     if args.mock:
         from tokenmill.bench.demo_report import simulate_run
 
-        row["simulated"] = simulate_run(specs, label, args)
+        row["simulated"] = simulate_run(warmup, specs, started - warmup_started, label, args)
     return row
 
 

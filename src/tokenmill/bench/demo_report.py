@@ -77,9 +77,11 @@ def _value(row: dict[str, Any], key: str) -> float:
     return row[key] if row[key] is not None else 0.0
 
 
-def simulate_run(specs: list[RequestSpec], state: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The fleet simulator's TTFT and per-request ITL for the run `specs` made in `state`, in the
-    live run's (wall-clock) seconds: modelled time divided by --mock-speedup."""
+def simulate_run(warmup: list[RequestSpec], specs: list[RequestSpec], warmup_s: float, state: str,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """The fleet simulator's TTFT and per-request ITL for the run `specs` made in `state` after
+    `warmup` (sent at once, `warmup_s` before the run, and not counted), in the live run's
+    (wall-clock) seconds: modelled time divided by --mock-speedup."""
     from tokenmill.engine.config import EngineConfig
     from tokenmill.kv.hashing import block_hashes
     from tokenmill.sim.fleet.arrivals import TraceRequest
@@ -96,15 +98,17 @@ def simulate_run(specs: list[RequestSpec], state: str, args: argparse.Namespace)
                          router="kv" if "KV routing" in state else "round-robin", block_size=engine.block_size,
                          max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
                          kv_blocks=args.kv_cache_blocks)
-    requests = [TraceRequest(f"r{i}", (s.arrival_s or 0.0) * args.mock_speedup, len(s.prompt), s.output_len,
+    arrivals = [0.0] * len(warmup) + [warmup_s + (s.arrival_s or 0.0) for s in specs]
+    requests = [TraceRequest(f"r{i}", at * args.mock_speedup, len(s.prompt), s.output_len,
                              tuple(block_hashes(s.prompt, engine.block_size, engine.hash_seed)))
-                for i, s in enumerate(specs)]
+                for i, (at, s) in enumerate(zip(arrivals, [*warmup, *specs]))]
     sim = FleetSim(config)
     sim.run(requests)
-    records = [r for r in sim.records.values() if r.finished]
+    measured = {f"r{i}" for i in range(len(warmup), len(requests))}
+    records = [r for r in sim.records.values() if r.finished and r.request_id in measured]
     ttft = np.array([r.ttft_s for r in records if r.ttft_s is not None]) * 1e3 / args.mock_speedup
     itl = np.array([r.itl_mean_s for r in records if r.itl_mean_s is not None]) * 1e3 / args.mock_speedup
-    return {"requests": len(sim.records), "finished": len(records),
+    return {"requests": len(measured), "finished": len(records),
             "ttft_mean_ms": float(ttft.mean()) if len(ttft) else None,
             "ttft_p90_ms": float(np.percentile(ttft, 90)) if len(ttft) else None,
             "itl_mean_p50_ms": float(np.percentile(itl, 50)) if len(itl) else None,

@@ -66,7 +66,7 @@ class DemoRequest:
 
 class RiskSynthesis:
     def __init__(self, seed: int, count_tokens: Callable[[str], int], model: str, doc_tokens: int = 1500,
-                 max_tokens: int = 24) -> None:
+                 max_tokens: int = 64) -> None:
         self.rng = random.Random(seed)
         self.count_tokens, self.model = count_tokens, model
         self.doc_tokens, self.max_tokens = doc_tokens, max_tokens
@@ -91,18 +91,32 @@ class _Agent:
 
 class TrialProtocol:
     """`max_prompt_tokens` bounds a turn (the context length): an agent's oldest turns drop out of
-    its history until the corpus, the history and the answer fit."""
+    its history until the corpus, the history and the answer fit. The agents join mid-discussion:
+    each starts with earlier turns filling `history_fill` of its room (a seeded transcript), so an
+    agent's own context, not only the corpus, is long from the first turn: eight of them outgrow a
+    small device KV pool, which is where a managed cache pays."""
     MESSAGE_OVERHEAD = 8  # tokens a chat template adds around each message, about
+    PRIOR_ANSWER_TOKENS = 120
 
     def __init__(self, seed: int, count_tokens: Callable[[str], int], model: str, max_prompt_tokens: int,
-                 corpus_tokens: int = 3000, max_tokens: int = 32, agents: int = len(AGENTS)) -> None:
+                 corpus_tokens: int = 3000, max_tokens: int = 32, agents: int = len(AGENTS),
+                 history_fill: float = 0.6) -> None:
         self.rng = random.Random(seed)
         self.count_tokens, self.model, self.max_tokens = count_tokens, model, max_tokens
         corpus = sized_text(self.rng, _TRIAL_WORDS, min(corpus_tokens, max_prompt_tokens // 2), count_tokens)
         self.system = f"You are one of {agents} reviewers of this trial protocol.\n\nPROTOCOL\n{corpus}"
         self.budget = max_prompt_tokens - max_tokens - count_tokens(self.system) - 2 * self.MESSAGE_OVERHEAD
         self.agents = [_Agent(f"You are the {AGENTS[i % len(AGENTS)]}.") for i in range(agents)]
+        for agent in self.agents:
+            self._earlier_turns(agent, history_fill * self.budget)
         self.turn = 0
+
+    def _earlier_turns(self, agent: _Agent, tokens: float) -> None:
+        while sum(n for _, n in agent.history) + 2 * self.PRIOR_ANSWER_TOKENS < tokens:
+            question = f"{agent.brief} Earlier turn: what does section {self.rng.randint(1, 40)} imply for you?"
+            answer = sized_text(self.rng, _TRIAL_WORDS, self.PRIOR_ANSWER_TOKENS, self.count_tokens)
+            for message in ({"role": "user", "content": question}, {"role": "assistant", "content": answer}):
+                agent.history.append((message, self.count_tokens(message["content"]) + self.MESSAGE_OVERHEAD))
 
     def next(self, busy: set[int]) -> DemoRequest | None:
         """The next agent's turn, round robin over the agents not waiting for an answer."""
@@ -134,12 +148,15 @@ class TrialProtocol:
 
 
 def scenario_specs(name: str, seed: int, rate: float, duration_s: float, encode_chat: Callable[[list], list[int]],
-                   count_tokens: Callable[[str], int], context_length: int) -> list[RequestSpec]:
-    """A scenario's requests for `tokenmill bench demo`, fixed ahead: Poisson arrivals at `rate`
-    over `duration_s` from `seed`, each prompt the chat template's token ids (`encode_chat`), so
-    the live run and the fleet simulator's replay of it see the same tokens. A trial agent's
-    answers in its history are placeholder text of the answer's length (what a turn reuses is the
-    corpus and the turns before, the same either way)."""
+                   count_tokens: Callable[[str], int], context_length: int
+                   ) -> tuple[list[RequestSpec], list[RequestSpec]]:
+    """A scenario's requests for `tokenmill bench demo`, fixed ahead, as (warm-up, measured): the
+    measured ones at Poisson arrivals at `rate` over `duration_s` from `seed`, each prompt the chat
+    template's token ids (`encode_chat`), so the live run and the fleet simulator's replay of it see
+    the same tokens. The trial's warm-up is one turn of each agent (what a deployment in its steady
+    state has seen: the measured turns are every agent's later ones); risk has none (nothing
+    repeats). A trial agent's answers in its history are placeholder text of the answer's length
+    (what a turn reuses is the corpus and the turns before, the same either way)."""
     rng = random.Random(seed)
     arrivals, t = [], rng.expovariate(rate)
     while t < duration_s:
@@ -149,8 +166,9 @@ def scenario_specs(name: str, seed: int, rate: float, duration_s: float, encode_
         source: RiskSynthesis | TrialProtocol = RiskSynthesis(seed, count_tokens, "", min(1500, context_length // 2))
     else:
         source = TrialProtocol(seed, count_tokens, "", context_length)
+    warmup = len(source.agents) if isinstance(source, TrialProtocol) else 0
     specs = []
-    for at in arrivals:
+    for at in [None] * warmup + arrivals:
         request = source.next(set())
         if request is None:
             continue
@@ -158,7 +176,7 @@ def scenario_specs(name: str, seed: int, rate: float, duration_s: float, encode_
         specs.append(RequestSpec(encode_chat(body["messages"]), body["max_tokens"], arrival_s=at))
         if request.agent is not None and isinstance(source, TrialProtocol):
             source.answered(request.agent, words(rng, _TRIAL_WORDS, body["max_tokens"] // 2))
-    return specs
+    return specs[:warmup], specs[warmup:]
 
 
 def trace_requests(path: str, rate_scale: float, model: str, block_size: int, vocab_size: int,
