@@ -141,6 +141,45 @@ def test_unacknowledged_hold_times_out(tiny_dense: Path, workload) -> None:
     assert held == 1 and left == 0
 
 
+def test_no_room_to_land_the_kv_releases_the_prefill_at_once(tiny_dense: Path) -> None:
+    """A decode pool too full for the prompt's blocks recomputes it locally and tells the prefill
+    worker so: its blocks are freed on that acknowledgement, not held until the timeout."""
+    async def scenario():
+        pre_svc, pre = service_engine(tiny_dense, "pre", ("shm",), hold_timeout_s=30.0)
+        dec_svc = KVTransferService("dec", ("shm",))
+        dec = AsyncLLMEngine(LLMEngine(make_engine(tiny_dense, num_kv_blocks=8).config,
+                                       kv_allocator=dec_svc.allocate))
+        hog, prompt = prompts(dec.engine, 2, seed=9, low=100, high=101)
+        dec.engine.add_request("hog", hog, dataclasses.replace(PARAMS, max_tokens=4))
+        dec.engine.step()  # the hog holds 7 of the 8 blocks
+        for svc, engine in ((pre_svc, pre), (dec_svc, dec)):
+            await engine.start()
+            await svc.start(engine)
+        try:
+            first = (await collect(pre.generate("big", prompt, PARAMS, prefill_only=True)))[-1]
+            handle = await pre_svc.handle_for(first)
+            rest = await collect(dec.generate(
+                "big", prompt + first.new_token_ids, dataclasses.replace(PARAMS, max_tokens=PARAMS.max_tokens - 1),
+                output_offset=1, kv_import=KVImport(lambda plan: dec_svc.pull(handle, plan),
+                                                    lambda: dec_svc.decline(handle))))
+            for _ in range(100):  # the acknowledgement is asynchronous
+                if (await pre.stats()).num_held == 0:
+                    break
+                await asyncio.sleep(0.05)
+            output = first.new_token_ids + [t for o in rest for t in o.new_token_ids]
+            return output, prompt, {"pre": await pre.stats(), "dec": await dec.stats()}, pre_svc.counters, dec_svc.counters
+        finally:
+            for svc, engine in ((pre_svc, pre), (dec_svc, dec)):
+                await svc.close()
+                await engine.stop()
+
+    output, prompt, stats, pre_c, dec_c = asyncio.run(scenario())
+    assert output == make_engine(tiny_dense, num_kv_blocks=96).generate([prompt], PARAMS)[0]
+    assert dec_c.declined == 1 and dec_c.pulls == 0 and stats["dec"].prefill_tokens >= len(prompt)
+    assert pre_c.released_by_ack == 1 and pre_c.released_by_timeout == 0
+    assert_clean(stats)
+
+
 def test_fault_spec_is_validated() -> None:
     assert TransferFaults.parse("corrupt,delay=0.5") == TransferFaults(corrupt=True, delay_s=0.5)
     for bad in ("explode", "delay", "delay=soon", "corrupt=1"):

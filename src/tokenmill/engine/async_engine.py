@@ -42,9 +42,11 @@ _Command = tuple[Callable[[], Any], concurrent.futures.Future]
 class KVImport:
     """The prompt's KV was computed elsewhere: `pull(plan)` copies it into `plan.block_ids` and
     says whether it arrived intact. It must not return (nor propagate a cancellation) while
-    bytes may still land in those blocks."""
+    bytes may still land in those blocks. `decline()` says it will not be pulled at all (no room
+    here: the prompt is prefilled again locally), so whoever holds it can free it now."""
 
     pull: Callable[[ImportPlan], Awaitable[bool]]
+    decline: Callable[[], None] = lambda: None
 
 
 class AsyncLLMEngine:
@@ -120,8 +122,9 @@ class AsyncLLMEngine:
                       output_offset: int, text_pending: int, kv_import: KVImport) -> None:
         plan = await self._call(lambda: self.engine.begin_import(request_id, token_ids, params, extra_key,
                                                                  output_offset, text_pending))
-        if plan is None:
-            return  # no room for the blocks now: queued to be prefilled here
+        if plan is None:  # no room for the blocks now: queued to be prefilled here
+            kv_import.decline()
+            return
         ok = False
         try:
             ok = await kv_import.pull(plan) if plan.block_ids else True

@@ -88,7 +88,8 @@ class DistributedBackend:
         for conn in self.pool.connections.values():
             for key in ("kv_usage", "prefix_hit_rate", "num_waiting", "num_running", "prefill_tokens",
                         "onboarded_tokens", "queried_tokens", "device_hit_tokens", "tiers_enabled", "num_held",
-                        "num_importing", "kv_handles", "kv_pulls", "kv_pull_failures", "kv_transfer_bytes",
+                        "num_importing", "kv_handles", "kv_pulls", "kv_pull_failures", "kv_imports_declined",
+                        "kv_transfer_bytes",
                         "kv_transfer_seconds"):
                 if key in conn.load:
                     snap[f'tokenmill_worker_{key}{{worker="{conn.worker_id}"}}'] = float(conn.load[key])

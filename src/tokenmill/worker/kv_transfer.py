@@ -10,7 +10,8 @@ Decode side: `pull(handle, plan)` copies the remote blocks from `plan.first_bloc
 local blocks the engine allocated, verifies every block against its checksum and returns
 whether all of it arrived intact — any failure (bad handle, dropped connection, timeout,
 mismatch) is False, and the engine recomputes the prompt instead. Either way the prefill worker
-is told to release its blocks.
+is told to release its blocks — as it is at once when the engine had no room to land them
+(`decline`), rather than left holding them until its timeout.
 
 `TransferFaults` (`worker/transfer_faults.py`, `--transfer-faults`) injects the failures the
 tests and drills need.
@@ -52,6 +53,7 @@ class TransferCounters:
     released_by_timeout: int = 0
     pulls: int = 0  # attempted (decode side)
     pull_failures: int = 0
+    declined: int = 0  # not pulled: no room in the local pool, recomputed here
     bytes: int = 0
     seconds: float = 0.0
     failure_reasons: dict[str, int] = field(default_factory=dict)
@@ -102,7 +104,8 @@ class KVTransferService:
         c = self.counters
         return {"kv_handles": c.handles, "kv_released_by_ack": c.released_by_ack,
                 "kv_released_by_timeout": c.released_by_timeout, "kv_pulls": c.pulls,
-                "kv_pull_failures": c.pull_failures, "kv_transfer_bytes": c.bytes,
+                "kv_pull_failures": c.pull_failures, "kv_imports_declined": c.declined,
+                "kv_transfer_bytes": c.bytes,
                 "kv_transfer_seconds": c.seconds}
 
     # -- prefill side ---------------------------------------------------------------------
@@ -162,6 +165,13 @@ class KVTransferService:
         self.counters.seconds += time.perf_counter() - started
         self._spawn(self._send_release(handle, plan.request_id))
         return reason is None
+
+    def decline(self, handle: dict[str, Any]) -> None:
+        """The engine had no room for the handle's blocks and recomputes the prompt: the prefill
+        worker may free them now."""
+        self.counters.declined += 1
+        log.info("no room to land the KV of %s; recomputing its prompt here", handle.get("request_id"))
+        self._spawn(self._send_release(handle, str(handle.get("request_id", ""))))
 
     async def _pull(self, handle: dict[str, Any], plan: ImportPlan) -> str | None:
         """None when the KV arrived intact, else why not."""

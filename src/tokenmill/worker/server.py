@@ -316,7 +316,7 @@ class WorkerServer:
             return None
         if not isinstance(handle, dict):
             raise ValueError("kv_handle must be a map")
-        return KVImport(lambda plan: transfer.pull(handle, plan))
+        return KVImport(lambda plan: transfer.pull(handle, plan), lambda: transfer.decline(handle))
 
     def _send_abort(self, peer: bytes, request_id: str, last: RequestOutput | None) -> None:
         done = last.num_output_tokens if last else 0
