@@ -9,6 +9,7 @@ PACKAGES=(
   "make:make"
   "redis-server:redis-server"
   "chromium:chromium"  # the dashboard's browser test (Playwright drives it)
+  "etcd-server:etcd"  # --discovery etcd:// (its tests start one on loopback)
 )
 
 missing=()

@@ -13,7 +13,7 @@ import pytest
 from tokenmill.bench.engine_bench import EngineBenchConfig, make_workload, run_engine_bench
 from tokenmill.bench.report import decode_weight_bytes, expected_experts_touched, write_json
 from tokenmill.cli import main
-from tokenmill.engine.model_config import load_model_config
+from tokenmill.textgen.model_config import load_model_config
 
 TOP_KEYS = {"schema_version", "config", "workload", "tokenmill", "hf", "ratio", "floor"}
 TOKENMILL_KEYS = {"output_tokens_per_s", "wall_s", "mean_step_ms", "mean_decode_step_ms", "steps",

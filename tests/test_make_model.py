@@ -11,8 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tokenmill import cli
 from tokenmill.engine import presets
-from tokenmill.engine.bpe_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 from tokenmill.engine.make_model import write_model
+from tokenmill.textgen.bpe_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 TINY = ("tiny-dense", "tiny-llama", "tiny-moe")
 ARCH = {"tiny-dense": "Qwen3ForCausalLM", "tiny-llama": "LlamaForCausalLM", "tiny-moe": "Qwen3MoeForCausalLM"}

@@ -17,7 +17,7 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("make-model", "tokenmill.engine.make_model", "write a small random-weight HF-format checkpoint"),
     ("convert-gguf", "tokenmill.engine.gguf_convert", "convert a llama GGUF file to an HF-format checkpoint"),
     ("generate", "tokenmill.engine.generate_cli", "generate text in-process with the embedded engine"),
-    ("serve", "tokenmill.frontend.serve_cli", "serve the OpenAI API: one frontend and N worker processes"),
+    ("serve", "tokenmill.serve_cli", "serve the OpenAI API: one frontend and N worker processes"),
     ("worker", "tokenmill.worker.main", "run one worker process (for multi-host deployments)"),
     ("frontend", "tokenmill.frontend.frontend_cli", "run the HTTP frontend alone, finding workers via discovery"),
     ("bench", "tokenmill.bench.cli", "benchmarks that print a table and write JSON"),

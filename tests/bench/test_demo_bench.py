@@ -13,7 +13,7 @@ from tokenmill.bench.demo_bench import add_arguments
 from tokenmill.bench.demo_report import simulate_run
 from tokenmill.bench.demo_workloads import scenario_specs
 from tokenmill.cli import main
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.textgen.tokenizer import Tokenizer
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

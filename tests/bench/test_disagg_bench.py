@@ -23,7 +23,7 @@ AGG_FLAGS = "--workers 2 --threads 1 --kv-cache-blocks 256"  # a small pool star
 def _disagg_flags() -> str:
     """The real 1 prefill + 1 decode deployment once `tokenmill serve` takes --prefill/--decode
     (every prompt prefilled remotely, so the transfer path is exercised); two aggregated workers before."""
-    from tokenmill.frontend.serve_cli import add_arguments
+    from tokenmill.serve_cli import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

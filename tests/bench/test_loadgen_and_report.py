@@ -140,7 +140,7 @@ def test_bad_flags_and_unreachable_servers_exit_2(flags: list[str], message: str
 def test_engine_workload_is_bench_engines_own(tiny_dense, tmp_path, caplog: pytest.LogCaptureFixture) -> None:
     from tokenmill.bench.engine_bench import EngineBenchConfig, make_workload
     from tokenmill.bench.engine_compare import engine_workload_specs
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.textgen.tokenizer import Tokenizer
 
     lengths = {"num_requests": 5, "min_input": 8, "max_input": 30, "min_output": 2, "max_output": 9, "seed": 4}
     specs = engine_workload_specs(str(tiny_dense), lengths)

@@ -14,7 +14,7 @@ import pytest
 from tokenmill.bench.serve_process import ServeProcess, start_serve, stop
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.sampling import SamplingParams
+from tokenmill.textgen.sampling import SamplingParams
 from tokenmill.transfer.memory import SHM_DIR
 
 MAX_TOKENS = 12

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.request import FINISH_HANDOFF, RequestOutput
-from tokenmill.engine.sampling import SamplingParams
+from tokenmill.textgen.outputs import FINISH_HANDOFF, RequestOutput
+from tokenmill.textgen.sampling import SamplingParams
 from tests.engine.helpers import GREEDY, make_engine, prompts
 
 PARAMS = dataclasses.replace(GREEDY, max_tokens=24)

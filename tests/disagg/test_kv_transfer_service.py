@@ -15,7 +15,7 @@ import pytest
 
 from tokenmill.engine.async_engine import AsyncLLMEngine, KVImport
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.request import FINISH_HANDOFF, RequestOutput
+from tokenmill.textgen.outputs import FINISH_HANDOFF, RequestOutput
 from tokenmill.worker.kv_transfer import KVTransferService
 from tokenmill.worker.transfer_faults import TransferFaults
 from tests.engine.helpers import GREEDY, make_engine, prompts

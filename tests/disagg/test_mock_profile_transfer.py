@@ -13,7 +13,7 @@ from tests.disagg.conftest import assert_idle, complete_all, metrics, mixed_prom
 from tests.engine.helpers import GREEDY, make_engine
 from tokenmill.bench.serve_process import ServeProcess
 from tokenmill.engine.async_engine import AsyncLLMEngine, KVImport
-from tokenmill.engine.request import FINISH_HANDOFF
+from tokenmill.textgen.outputs import FINISH_HANDOFF
 from tokenmill.worker.kv_transfer import KVTransferService
 
 PARAMS = dataclasses.replace(GREEDY, max_tokens=6)

@@ -9,7 +9,7 @@ from tokenmill.engine.attention import AttentionBatch, SeqSpan
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.runner import TorchModelRunner
-from tokenmill.engine.sampling import SamplingParams
+from tokenmill.textgen.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 

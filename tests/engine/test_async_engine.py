@@ -7,7 +7,7 @@ import pytest
 
 from tests.engine.helpers import make_engine, prompts
 from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.engine.sampling import SamplingParams
+from tokenmill.textgen.sampling import SamplingParams
 
 
 async def _collect(engine: AsyncLLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:

@@ -12,7 +12,7 @@ import pytest
 from tests.engine.helpers import make_engine, prompts
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.mock_runner import MockRunner, StepTimeModel
-from tokenmill.engine.sampling import SamplingParams
+from tokenmill.textgen.sampling import SamplingParams
 
 ENGINE_THREAD = "engine-loop"
 # Only a guard against a hang: the tests assert outcomes, never speed.

@@ -2,7 +2,7 @@
 from pathlib import Path
 
 from tests.engine.helpers import GREEDY, make_engine, prompts
-from tokenmill.engine.sampling import SamplingParams
+from tokenmill.textgen.sampling import SamplingParams
 
 
 def _assert_idle(engine) -> None:

@@ -2,7 +2,7 @@
 from pathlib import Path
 
 from tests.engine.helpers import make_engine, prompts
-from tokenmill.engine.sampling import SamplingParams
+from tokenmill.textgen.sampling import SamplingParams
 
 
 def test_long_prompt_never_stalls_decodes(tiny_dense: Path) -> None:

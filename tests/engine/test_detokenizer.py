@@ -1,7 +1,7 @@
 """Incremental detokenization never splits a multi-byte character."""
 from pathlib import Path
 
-from tokenmill.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.textgen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXT = "Anne said: héllo wörld — 世界 🙂🎉 naïve café"
 

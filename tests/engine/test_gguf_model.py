@@ -23,9 +23,9 @@ import torch
 from tests.engine.helpers import GREEDY, make_engine, prompt_logits
 from tokenmill.cli import main
 from tokenmill.engine.gguf_convert import convert_gguf, package_gguf, read_metadata, unpermute_rope_rows
-from tokenmill.engine.gguf_tokenizer import build_tokenizer
-from tokenmill.engine.sampling import SamplingParams
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.textgen.gguf_tokenizer import build_tokenizer
+from tokenmill.textgen.sampling import SamplingParams
+from tokenmill.textgen.tokenizer import Tokenizer
 
 TEXTS = [
     "hello 12345 world", "a  1", "x   42 and   7", "3.14159, 2,718 and 1e-5", " leading space",

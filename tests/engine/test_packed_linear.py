@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.engine.kernels.packed_linear import PackedLinear, bf16_packing_available, pack_experts
-from tokenmill.engine.model_config import MoEConfig
 from tokenmill.engine.models import layers
 from tokenmill.engine.models.layers import SparseMoE
+from tokenmill.textgen.model_config import MoEConfig
 
 needs_packing = pytest.mark.skipif(not bf16_packing_available(), reason="no oneDNN bf16 weight packing here")
 

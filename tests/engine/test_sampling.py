@@ -7,7 +7,7 @@ import torch
 from tests.engine.helpers import make_engine, prompts
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampler import sample
-from tokenmill.engine.sampling import SampleRow, SamplingParams
+from tokenmill.textgen.sampling import SampleRow, SamplingParams
 
 
 def _run(engine, prompt, params, rid="x"):

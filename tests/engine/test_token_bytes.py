@@ -8,8 +8,8 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.engine.token_bytes import TokenBytes
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.textgen.token_bytes import TokenBytes
+from tokenmill.textgen.tokenizer import Tokenizer
 
 
 @settings(max_examples=80, deadline=None)

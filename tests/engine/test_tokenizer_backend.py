@@ -19,7 +19,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tokenmill.engine import tokenizer as tokenizer_module
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.textgen.tokenizer import Tokenizer
 
 PRESETS = ("tiny-dense", "tiny-moe", "tiny-llama")
 TEXTS = (
@@ -168,7 +168,7 @@ def test_chat_ids_equal_transformers_tokenizing_the_chat_itself(
 
 def test_a_fresh_process_loads_and_uses_the_tokenizer_without_transformers_or_torch(tiny_dense: Path) -> None:
     code = (
-        "import sys; from tokenmill.engine.tokenizer import Tokenizer; "
+        "import sys; from tokenmill.textgen.tokenizer import Tokenizer; "
         f"t = Tokenizer({str(tiny_dense)!r}); assert t.backend == 'tokenizers', t.backend; "
         "ids = t.apply_chat_template([{'role': 'user', 'content': 'hi'}]); t.decode(t.encode('hé') + ids); "
         "bad = [m for m in ('transformers', 'torch') if m in sys.modules]; assert not bad, bad"

@@ -8,8 +8,8 @@ import pytest
 from tests.engine.helpers import make_engine
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.sampling import SamplingParams
 from tokenmill.engine.weights import CheckpointError
+from tokenmill.textgen.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,11 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from tokenmill.embedded_backend import LocalBackend
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.frontend.app import create_app
-from tokenmill.frontend.local_backend import LocalBackend
 
 MODEL_NAME = "tiny"
 _START_TIMEOUT_S = 60.0

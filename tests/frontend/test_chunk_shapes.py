@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from tokenmill.engine.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
-from tokenmill.engine.sampling import TokenLogprob
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.formatting import usage_of
 from tokenmill.frontend.routes_chat import ChatChunks
 from tokenmill.frontend.routes_completions import CompletionChunks
+from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
+from tokenmill.textgen.sampling import TokenLogprob
+from tokenmill.textgen.tokenizer import Tokenizer
 from tokenmill.frontend.schema import (ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatDelta,
                                        ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
                                        CompletionResponse, PromptTokensDetails, TopLogprob, Usage)

@@ -6,7 +6,7 @@ import pytest
 
 from tests.frontend.conftest import MODEL_NAME, Served
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.sampling import SamplingParams
+from tokenmill.textgen.sampling import SamplingParams
 
 PROMPT = "The quick brown fox"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about foxes."}]

@@ -8,7 +8,7 @@ import torch
 
 from tests.frontend.conftest import MODEL_NAME, Served
 from tokenmill.engine.sampler import apply_penalties, sample
-from tokenmill.engine.sampling import SampleRow, SamplingParams
+from tokenmill.textgen.sampling import SampleRow, SamplingParams
 
 
 def test_penalties_match_the_openai_and_vllm_formulas_row_by_row() -> None:

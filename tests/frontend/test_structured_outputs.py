@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from tests.frontend.conftest import MODEL_NAME, Served
-from tokenmill.engine.sampling import SamplingParams
 from tokenmill.frontend.structured import response_format_grammar
+from tokenmill.textgen.sampling import SamplingParams
 
 # Bounded on purpose: a random-weight model must be able to finish the object within max_tokens.
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "count", "ok", "tag"],

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from tokenmill.embedded_backend import LocalBackend
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.local_backend import LocalBackend
 from tokenmill.frontend.routes_admin import pin_token_ids
+from tokenmill.textgen.tokenizer import Tokenizer
 
 
 def test_pin_body_forms(tiny_dense: Path) -> None:

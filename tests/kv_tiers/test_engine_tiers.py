@@ -10,7 +10,7 @@ import pytest
 from tests.kv_tiers.helpers import RedisServer
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.sampling import SamplingParams
+from tokenmill.textgen.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 BS = 16

@@ -51,4 +51,4 @@ def test_file_discovery_drops_a_dead_pid_at_once(tmp_path: Path) -> None:
 def test_discovery_url_errors_name_the_flag() -> None:
     assert isinstance(discovery_from_url("memory:"), MemoryDiscovery)
     with pytest.raises(ValueError, match="--discovery"):
-        discovery_from_url("etcd://nope")
+        discovery_from_url("etcd://nope")  # no port

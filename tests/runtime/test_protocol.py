@@ -3,9 +3,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.engine.request import RequestOutput
-from tokenmill.engine.sampling import SamplingParams, TokenLogprob
 from tokenmill.runtime import protocol as p
+from tokenmill.textgen.outputs import RequestOutput
+from tokenmill.textgen.sampling import SamplingParams, TokenLogprob
 
 
 def test_generate_round_trips_and_revalidates_params() -> None:

@@ -13,7 +13,7 @@ import openai
 from tests.serving.conftest import Server
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.sampling import SamplingParams
+from tokenmill.textgen.sampling import SamplingParams
 
 PROMPT = "It was a truth universally acknowledged, that a single man"
 

@@ -121,7 +121,7 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
 
 async def _all_runs(url: str, args: argparse.Namespace, scenarios: list[str], context: int) -> list[dict[str, Any]]:
     """Every scenario under every state, in turn; `context` is the longest prompt a worker takes."""
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.textgen.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(args.model)
     states = [s for s in STATES if not (args.mock and s[1]["managed_cache"])]
@@ -202,7 +202,7 @@ def _stat(values: np.ndarray, which: str | int) -> float | None:
 def _price(args: argparse.Namespace) -> float:
     if not args.mock:
         return args.usd_per_worker_hour
-    from tokenmill.frontend.serve_cli import profile_worker_hour
+    from tokenmill.serve_cli import profile_worker_hour
     from tokenmill.sim.fleet.clock import parse_profile
 
     return profile_worker_hour(parse_profile(args.mock).gpus, args.mock_speedup)

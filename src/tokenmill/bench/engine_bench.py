@@ -95,7 +95,7 @@ def make_workload(cfg: EngineBenchConfig, vocab_size: int, special_ids: frozense
 
 def run_tokenmill(engine: Any, workload: Workload) -> tuple[TokenmillResult, list[DecodeStepShape]]:
     """Run the workload to completion; figures cover only this run (after a warm-up)."""
-    from tokenmill.engine.sampling import SamplingParams
+    from tokenmill.textgen.sampling import SamplingParams
 
     engine.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     before = engine.stats()

@@ -36,8 +36,8 @@ MATCHED_FLAGS = {"num_requests": "num_requests", "min_prompt": "min_input", "max
 def engine_workload_specs(model_dir: str, lengths: dict[str, int]) -> list[RequestSpec]:
     """`tokenmill bench engine`'s requests for this model; `lengths` holds MATCHED_FLAGS' values."""
     from tokenmill.bench.engine_bench import EngineBenchConfig, make_workload
-    from tokenmill.engine.model_config import load_model_config
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.textgen.model_config import load_model_config
+    from tokenmill.textgen.tokenizer import Tokenizer
 
     cfg = EngineBenchConfig(model=model_dir, skip_hf=True,
                             **{key: lengths[flag] for key, flag in MATCHED_FLAGS.items()})

@@ -125,7 +125,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[int], list[str]]:
 
 
 def corpus_words() -> list[str]:
-    return resources.files("tokenmill.engine.corpus").joinpath("persuasion.txt").read_text(encoding="utf-8").split()
+    return resources.files("tokenmill.textgen.corpus").joinpath("persuasion.txt").read_text(encoding="utf-8").split()
 
 
 def build_workload(words: list[str], prefix_words: int, tokenizer: Any, args: argparse.Namespace) -> Workload:
@@ -282,7 +282,7 @@ def render(size: dict[str, Any], args: argparse.Namespace, console: Console) -> 
 
 def _run_sizes(args: argparse.Namespace, sizes: list[int], policies: list[str], work_dir: Path,
                console: Console) -> list[dict[str, Any]]:
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.textgen.tokenizer import Tokenizer
 
     model = prepare_model(args, work_dir)
     tokenizer, words = Tokenizer(model), corpus_words()

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.hf_baseline import HFResult
-from tokenmill.engine.model_config import ModelConfig
+from tokenmill.textgen.model_config import ModelConfig
 
 SCHEMA_VERSION = 1
 

@@ -65,8 +65,8 @@ def _decode(engine: Any, prompts: list[list[int]], params: Any) -> tuple[float, 
 
 
 def _measure(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.engine.sampling import SamplingParams
     from tokenmill.frontend.structured import response_format_grammar
+    from tokenmill.textgen.sampling import SamplingParams
 
     started = time.perf_counter()
     grammar = response_format_grammar({"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})

@@ -92,7 +92,7 @@ def _engine(model: str, args: argparse.Namespace, blocks: int, worker: str, **ti
 
 def _ttft(engine: Any, request_id: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
     """Seconds to the first token, and every output token (run to completion)."""
-    from tokenmill.engine.sampling import SamplingParams
+    from tokenmill.textgen.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -107,7 +107,7 @@ def _ttft(engine: Any, request_id: str, prompt: list[int], max_tokens: int) -> t
 
 
 def _tokens(rng: random.Random, model: str, n: int) -> list[int]:
-    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.textgen.model_config import load_model_config
 
     vocab = load_model_config(model).vocab_size
     return [rng.randrange(10, vocab - 10) for _ in range(n)]
@@ -250,7 +250,7 @@ def _wait_for_port(port: int, timeout_s: float = 10.0) -> None:
 
 
 def _block_bytes(model: str) -> int:
-    from tokenmill.engine.model_config import load_model_config
+    from tokenmill.textgen.model_config import load_model_config
 
     cfg = load_model_config(model)
     itemsize = 2 if cfg.checkpoint_dtype in ("bfloat16", "float16") else 4

@@ -28,8 +28,8 @@ from typing import Any
 from tokenmill.engine.kv_handoff import ImportPlan
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.mock_runner import MockRunner
-from tokenmill.engine.request import FINISH_ERROR, RequestOutput
-from tokenmill.engine.sampling import SamplingParams
+from tokenmill.textgen.outputs import FINISH_ERROR, RequestOutput
+from tokenmill.textgen.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

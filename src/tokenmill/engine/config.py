@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.mock_runner import StepTimeModel
-from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.step_work import StepClock
+from tokenmill.textgen.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch

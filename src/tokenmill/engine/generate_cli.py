@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.engine.sampling import SamplingParams
+    from tokenmill.textgen.sampling import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine.gguf_tokenizer import named_token_ids, write_tokenizer_files
+from tokenmill.textgen.gguf_tokenizer import named_token_ids, write_tokenizer_files
 
 if TYPE_CHECKING:
     import torch

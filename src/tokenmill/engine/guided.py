@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.textgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

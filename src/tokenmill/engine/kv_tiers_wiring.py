@@ -37,9 +37,9 @@ from tokenmill.kv.tiers.payload import snapshot_block, write_block_payload
 
 if TYPE_CHECKING:
     from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.model_config import ModelConfig
     from tokenmill.kv.block_pool import BlockPool
     from tokenmill.kv.events import KVEventEmitter
+    from tokenmill.textgen.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 GIB = 2**30

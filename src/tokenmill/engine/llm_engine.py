@@ -15,16 +15,17 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.guided import Grammars, advance
 from tokenmill.engine.kv_handoff import ImportPlan, KVHandoff
 from tokenmill.engine.mock_runner import MockRunner
-from tokenmill.engine.model_config import ModelConfig, load_model_config
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.request import FINISH_HANDOFF, FINISH_STOP, Request, RequestOutput
+from tokenmill.engine.request import Request
 from tokenmill.engine.runner_protocol import KVAllocator, ModelRunner, Sampled
-from tokenmill.engine.sampling import SamplingParams, TokenLogprob
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.kv.block_pool import BlockPool
 from tokenmill.kv.cache_manager import KVCacheManager
 from tokenmill.kv.events import KVEventEmitter
+from tokenmill.textgen.model_config import ModelConfig, load_model_config
+from tokenmill.textgen.outputs import FINISH_HANDOFF, FINISH_STOP, RequestOutput
+from tokenmill.textgen.sampling import SamplingParams, TokenLogprob
+from tokenmill.textgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

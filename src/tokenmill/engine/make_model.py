@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine import presets
-from tokenmill.engine.bpe_tokenizer import write_tokenizer
+from tokenmill.textgen.bpe_tokenizer import write_tokenizer
 
 if TYPE_CHECKING:
     import torch

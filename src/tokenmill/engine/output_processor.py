@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.engine.request import FINISH_LENGTH, FINISH_STOP, Request
-from tokenmill.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.engine.request import Request
+from tokenmill.textgen.outputs import FINISH_LENGTH, FINISH_STOP
+from tokenmill.textgen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.bpe_tokenizer import SPECIAL_TOKENS
+from tokenmill.textgen.bpe_tokenizer import SPECIAL_TOKENS
 
 # Token ids fixed by the tokenizer: the special tokens come first in its vocabulary.
 ENDOFTEXT_ID = SPECIAL_TOKENS.index("<|endoftext|>")

@@ -1,4 +1,4 @@
-"""A request's state inside the engine, and what the engine reports back per step."""
+"""A request's state inside the engine (what it reports back per step is `textgen.outputs`)."""
 from __future__ import annotations
 
 import enum
@@ -6,20 +6,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.sampling import SamplingParams, TokenLogprob
+from tokenmill.textgen.sampling import SamplingParams, TokenLogprob
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-# Why a stream ended (the wire protocol's final-frame reasons).
-FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
-# A prefill-only request ended after its first token and holds its KV for a decode worker
-# (between worker and frontend only: a client never sees it).
-FINISH_HANDOFF = "handoff"
 
 
 @dataclass(slots=True, eq=False)  # an entity: compared by identity, never field by field
@@ -73,20 +66,3 @@ class Request:
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request (a delta, not the whole history)."""
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    stop_reason: str | int | None = None
-    text_pending_tokens: int = 0  # trailing tokens whose text is held back (an incomplete character)
-    held_block_ids: list[int] = field(default_factory=list)  # FINISH_HANDOFF: the prompt's KV blocks

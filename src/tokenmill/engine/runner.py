@@ -11,13 +11,13 @@ import torch
 from tokenmill.engine import kernels
 from tokenmill.engine.attention import AttentionBatch, DecodeBatch, SeqSpan, allocate_kv_cache
 from tokenmill.engine.guided import MaskComputer
-from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.transformer import CausalLM
 from tokenmill.engine.runner_protocol import KVAllocator, Sampled
 from tokenmill.engine.sampler import sample
-from tokenmill.engine.sampling import SampleRow
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.kv.cache_manager import KVCacheManager
+from tokenmill.textgen.model_config import ModelConfig
+from tokenmill.textgen.sampling import SampleRow
 
 
 class TorchModelRunner:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tokenmill.engine.sampling import TokenLogprob
+from tokenmill.textgen.sampling import TokenLogprob
 
 if TYPE_CHECKING:
     from tokenmill.engine.scheduler import SchedulerOutput

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenmill.engine.sampling import SampleRow, TokenLogprob
+from tokenmill.textgen.sampling import SampleRow, TokenLogprob
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow], generator: torch.Generator,

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenmill.engine.request import FINISH_ABORT, Request, RequestStatus
+from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.kv.cache_manager import KVCacheManager
+from tokenmill.textgen.outputs import FINISH_ABORT
 
 
 @dataclass(slots=True, frozen=True)

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.layers import prepack_experts
 from tokenmill.engine.models.transformer import CausalLM, RotaryEmbedding
+from tokenmill.textgen.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

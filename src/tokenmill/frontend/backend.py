@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from tokenmill.engine.request import RequestOutput
-from tokenmill.engine.sampling import SamplingParams
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.textgen.outputs import RequestOutput
+from tokenmill.textgen.sampling import SamplingParams
+from tokenmill.textgen.tokenizer import Tokenizer
 
 
 class Overloaded(Exception):

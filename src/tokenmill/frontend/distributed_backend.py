@@ -24,19 +24,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.request import FINISH_ABORT, FINISH_ERROR, RequestOutput
-from tokenmill.engine.sampling import SamplingParams
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.backend import BackendUnavailable, Overloaded
-from tokenmill.router.disagg import REMOTE, DisaggConfig, DisaggPolicy
+from tokenmill.frontend.inbox import StreamInbox
 from tokenmill.frontend.metrics import tier_gauges
 from tokenmill.frontend.prefill import RemotePrefill
-from tokenmill.frontend.inbox import StreamInbox
 from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool, next_message
 from tokenmill.kv.hashing import block_hashes
 from tokenmill.router.decision import RoutingRequest
+from tokenmill.router.disagg import REMOTE, DisaggConfig, DisaggPolicy
 from tokenmill.router.policies import NoWorkerAvailable
 from tokenmill.runtime import protocol as p
+from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
+from tokenmill.textgen.sampling import SamplingParams
+from tokenmill.textgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from tokenmill.engine.request import FINISH_ABORT, FINISH_LENGTH, RequestOutput
-from tokenmill.engine.sampling import TokenLogprob
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput
+from tokenmill.textgen.sampling import TokenLogprob
+from tokenmill.textgen.tokenizer import Tokenizer
 from tokenmill.frontend.schema import (ChatChoiceLogprobs, ChatTokenLogprob, CompletionLogprobs,
                                        PromptTokensDetails, TopLogprob, Usage)
 

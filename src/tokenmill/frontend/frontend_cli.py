@@ -15,7 +15,7 @@ from tokenmill.runtime import event_loop
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory (for the tokenizer and config)")
-    parser.add_argument("--discovery", required=True, help="file:DIR shared with the workers")
+    parser.add_argument("--discovery", required=True, help="file:DIR shared with the workers, or etcd://host:port[,host:port][/prefix]")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (the router hashes by it)")
     parser.add_argument("--log-level-http", default="warning")

@@ -16,11 +16,11 @@ from typing import Any
 
 from starlette.types import Receive
 
-from tokenmill.engine.request import FINISH_ABORT, FINISH_ERROR, RequestOutput
-from tokenmill.engine.sampling import SamplingParams
 from tokenmill.frontend.backend import Backend, BackendUnavailable, Overloaded
 from tokenmill.frontend.errors import APIError, from_value_error, overloaded_error, unavailable_error
 from tokenmill.frontend.metrics import FrontendMetrics, RequestTimer
+from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
+from tokenmill.textgen.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

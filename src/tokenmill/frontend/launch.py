@@ -83,12 +83,12 @@ def model_name(args: argparse.Namespace) -> str:
 
 
 def make_backend(args: argparse.Namespace, discovery):
-    from tokenmill.engine.model_config import load_model_config
-    from tokenmill.engine.tokenizer import Tokenizer
     from tokenmill.frontend.distributed_backend import DistributedBackend
     from tokenmill.frontend.worker_pool import WorkerPool
     from tokenmill.router.cost import CostConfig
     from tokenmill.router.policies import Router, RouterConfig
+    from tokenmill.textgen.model_config import load_model_config
+    from tokenmill.textgen.tokenizer import Tokenizer
 
     config = load_model_config(args.model)
     limit = args.max_model_len or config.max_position_embeddings

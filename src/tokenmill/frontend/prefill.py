@@ -19,13 +19,13 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.engine.request import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
-from tokenmill.router.disagg import DisaggPolicy
 from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool, next_message
 from tokenmill.kv.hashing import block_hashes
 from tokenmill.router.decision import RoutingRequest
+from tokenmill.router.disagg import DisaggPolicy
 from tokenmill.router.policies import NoWorkerAvailable
 from tokenmill.runtime import protocol as p
+from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
 
 if TYPE_CHECKING:
     from tokenmill.frontend.distributed_backend import _Progress

@@ -12,11 +12,11 @@ from typing import Any, TypeVar
 
 import jinja2
 
-from tokenmill.engine.sampling import SamplingParams
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.errors import APIError, from_value_error, invalid_param
 from tokenmill.frontend.structured import response_format_grammar
 from tokenmill.frontend.tools import ToolCalling, render_messages
+from tokenmill.textgen.sampling import SamplingParams
+from tokenmill.textgen.tokenizer import Tokenizer
 from tokenmill.frontend.schema import (ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields,
                                       TextContentPart)
 

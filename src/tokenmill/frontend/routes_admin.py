@@ -29,12 +29,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.body import read_body
 from tokenmill.frontend.control_socket import CONTROL_SOCKET_ENV, forward
 from tokenmill.frontend.errors import SERVER_ERROR, APIError, error_body, invalid_param
 from tokenmill.frontend.generation import ServingContext
 from tokenmill.frontend.worker_control import NAME_PREFIX, WorkerControl
+from tokenmill.textgen.tokenizer import Tokenizer
 
 ACTIONS = ("start", "drain", "rerole")
 MAX_COUNT = 64  # workers one request may start or drain

@@ -11,12 +11,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenmill.engine.request import RequestOutput
-from tokenmill.engine.sampling import TokenLogprob
 from tokenmill.frontend.body import parse_body
 from tokenmill.frontend.choices import serve
 from tokenmill.frontend.formatting import api_finish_reason, chat_logprobs, new_request_id
 from tokenmill.frontend.generation import ServingContext
+from tokenmill.textgen.outputs import RequestOutput
+from tokenmill.textgen.sampling import TokenLogprob
 from tokenmill.frontend.request_args import (chat_limits, chat_prompt, check_context_length, check_request,
                                              prompt_chars, sampling_params, tokenized)
 from tokenmill.frontend.schema import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,

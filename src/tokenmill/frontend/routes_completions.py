@@ -6,12 +6,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenmill.engine.request import RequestOutput
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.body import parse_body
 from tokenmill.frontend.choices import serve
 from tokenmill.frontend.formatting import CompletionLogprobsWriter, api_finish_reason, new_request_id
 from tokenmill.frontend.generation import ServingContext
+from tokenmill.textgen.outputs import RequestOutput
+from tokenmill.textgen.tokenizer import Tokenizer
 from tokenmill.frontend.request_args import (check_context_length, check_request, completion_limits,
                                              completion_prompts, prompt_chars, sampling_params, tokenized)
 from tokenmill.frontend.schema import CompletionChoice, CompletionRequest, CompletionResponse, Usage

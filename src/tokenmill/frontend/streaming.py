@@ -26,13 +26,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.engine.request import FINISH_ERROR, RequestOutput
-from tokenmill.engine.sampling import SamplingParams
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.errors import SERVER_ERROR, APIError, error_body
 from tokenmill.frontend.formatting import usage_of
 from tokenmill.frontend.generation import CancelOnDisconnect, ServingContext, TokenStream
 from tokenmill.frontend.schema import ErrorDetail, SamplingFields, Usage
+from tokenmill.textgen.outputs import FINISH_ERROR, RequestOutput
+from tokenmill.textgen.sampling import SamplingParams
+from tokenmill.textgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 # nginx's "client closed request": nobody reads it, but access logs should say what happened.

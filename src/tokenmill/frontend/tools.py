@@ -15,10 +15,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.errors import invalid_param
 from tokenmill.frontend.structured import ANY_OBJECT, check_name, check_schema, checked
 from tokenmill.frontend.tool_formats import FORMATS, ToolFormat
+from tokenmill.textgen.tokenizer import Tokenizer
 
 CHOICES = ("none", "auto", "required")
 

@@ -165,6 +165,7 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        await self.discovery.start()
         self.refresh()
         self._task = asyncio.create_task(self._poll())
 
@@ -174,6 +175,7 @@ class WorkerPool:
         for conn in list(self.connections.values()):
             conn.close()
         self.connections.clear()
+        await self.discovery.close()
 
     def router_for(self, role: str) -> Router:
         return self.prefill_router if role == "prefill" else self.router

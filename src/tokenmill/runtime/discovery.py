@@ -1,9 +1,10 @@
 """Discovery: which workers exist, where they listen, and whether they are alive.
 
-Backends: `MemoryDiscovery` (one process, for tests) and `FileDiscovery` (a registry
-directory shared by processes on one host, refreshed by heartbeats). Both satisfy
-`Discovery`, which an etcd backend (leases for liveness, a key prefix for the
-registry) can implement later without changing callers.
+Backends: `MemoryDiscovery` (one process, for tests), `FileDiscovery` (a registry
+directory shared by processes on one host, refreshed by heartbeats) and `EtcdDiscovery`
+(`etcd_discovery.py`: leases for liveness, a watched key prefix for the registry, for workers
+on many hosts). All satisfy `Discovery`; `start()` and `close()` run on the event loop that
+uses it (the etcd backend's background tasks; no-ops for the others).
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ class WorkerInfo:
 
 
 class Discovery(Protocol):
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
     def register(self, info: WorkerInfo) -> None: ...
 
     def heartbeat(self, worker_id: str, metadata: dict[str, Any] | None = None) -> None: ...
@@ -43,7 +48,15 @@ class Discovery(Protocol):
         ...
 
 
-class MemoryDiscovery:
+class _NoBackgroundWork:
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class MemoryDiscovery(_NoBackgroundWork):
     def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.ttl_s = ttl_s
         self._workers: dict[str, WorkerInfo] = {}
@@ -71,7 +84,7 @@ class MemoryDiscovery:
             return [w for w in self._workers.values() if now - w.heartbeat_at <= self.ttl_s]
 
 
-class FileDiscovery:
+class FileDiscovery(_NoBackgroundWork):
     """One JSON file per worker in `directory`, rewritten atomically on each heartbeat."""
 
     def __init__(self, directory: str | Path, ttl_s: float = DEFAULT_TTL_S) -> None:
@@ -129,11 +142,17 @@ def _pid_alive(info: WorkerInfo) -> bool:
     return True
 
 
-def discovery_from_url(url: str) -> Discovery:
-    """`file:DIR` or `memory:` (this process only)."""
+def discovery_from_url(url: str, ttl_s: float | None = None) -> Discovery:
+    """`file:DIR`, `etcd://host:port[,host:port][/prefix]` or `memory:` (this process only);
+    `ttl_s`: an etcd registration's lease (a file registry's readers judge heartbeats' age)."""
     scheme, _, rest = url.partition(":")
     if scheme == "file" and rest:
         return FileDiscovery(rest)
+    if scheme == "etcd":
+        from tokenmill.runtime.etcd_discovery import EtcdDiscovery, parse_etcd_url  # grpc: only when asked for
+
+        endpoints, prefix = parse_etcd_url(url)
+        return EtcdDiscovery(endpoints, prefix) if ttl_s is None else EtcdDiscovery(endpoints, prefix, ttl_s)
     if scheme == "memory":
         return MemoryDiscovery()
-    raise ValueError(f"--discovery must be file:DIR or memory:, got {url!r}")
+    raise ValueError(f"--discovery must be file:DIR, etcd://host:port[,host:port][/prefix] or memory:, got {url!r}")

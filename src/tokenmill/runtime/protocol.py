@@ -25,8 +25,8 @@ from typing import Any
 
 import msgpack
 
-from tokenmill.engine.request import RequestOutput
-from tokenmill.engine.sampling import SamplingParams, TokenLogprob
+from tokenmill.textgen.outputs import RequestOutput
+from tokenmill.textgen.sampling import SamplingParams, TokenLogprob
 
 HELLO, GENERATE, ABORT = "hello", "generate", "abort"
 TOKENS, ERROR, HEARTBEAT = "tokens", "error", "heartbeat"

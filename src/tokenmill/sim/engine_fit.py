@@ -58,7 +58,7 @@ def measure_engine_steps(model_dir: str | Path, threads: int, repeats: int = 5) 
     """Median wall time of the real engine's steps for the calibration grid."""
     from tokenmill.engine.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.engine.sampling import SamplingParams
+    from tokenmill.textgen.sampling import SamplingParams
 
     longest = max(max(DECODE_BATCHES) * max(DECODE_CONTEXTS), max(PREFILL_LENGTHS))
     engine = LLMEngine(EngineConfig(model=str(model_dir), threads=threads, max_num_seqs=max(DECODE_BATCHES),
@@ -98,7 +98,7 @@ def _drain(engine) -> None:
 
 
 def _decode_sample(engine, rng, vocab: int, batch: int, context: int, repeats: int) -> StepSample:
-    from tokenmill.engine.sampling import SamplingParams
+    from tokenmill.textgen.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=repeats + 2, ignore_eos=True, temperature=0.0)
     _add(engine, [rng.integers(3, vocab, context).tolist() for _ in range(batch)], params)

@@ -21,7 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default="tcp://127.0.0.1:0",
                         help="where to listen: ipc:///path or tcp://host:port (port 0 picks one)")
     parser.add_argument("--discovery", default="file:.tokenmill/registry",
-                        help="file:DIR (a registry directory shared with the frontend)")
+                        help="file:DIR (a registry directory shared with the frontend on this host) or "
+                             "etcd://host:port[,host:port][/prefix] (workers on many hosts)")
+    parser.add_argument("--discovery-ttl-s", type=float, default=3.0,
+                        help="etcd: the registration's lease; a worker silent this long is gone")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-queue", type=int, default=None,
                         help="requests that may wait beyond a full batch before 'overloaded'")
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     try:
         config, clock = resolve_mock_profile(engine_config_from_args(args, args.worker_id), args.mock_profile)
-        discovery = discovery_from_url(args.discovery)
+        discovery = discovery_from_url(args.discovery, args.discovery_ttl_s)
         settings = WorkerSettings(args.worker_id, args.address, name, role=args.role, max_queue=args.max_queue,
                                   parent_pid=args.parent_pid, events_address=args.events_address,
                                   drain_timeout_s=args.drain_timeout_s)

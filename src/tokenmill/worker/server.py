@@ -34,10 +34,10 @@ import zmq
 
 from tokenmill.engine.async_engine import AsyncLLMEngine, KVImport
 from tokenmill.engine.llm_engine import EngineStats
-from tokenmill.engine.request import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
 from tokenmill.runtime import protocol as p
 from tokenmill.runtime.discovery import Discovery, WorkerInfo
 from tokenmill.runtime.zmq_reader import SocketReader
+from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
 from tokenmill.worker.kv_publisher import KVEventPublisher
 
 if TYPE_CHECKING:  # torch: only prefill/decode workers move KV
@@ -110,6 +110,7 @@ class WorkerServer:
             await self.transfer.start(self.engine)
         if self.publisher is not None:
             self.publisher.start()
+        await self.discovery.start()
         self.discovery.register(self._info())
         heartbeat = asyncio.create_task(self._heartbeat_loop())
         self._reader = SocketReader(self.socket, self._on_frames)
@@ -132,6 +133,7 @@ class WorkerServer:
             self.socket.close()
             if self.publisher is not None:
                 self.publisher.close()
+            await self.discovery.close()
 
     def stop(self) -> None:
         self._stopping.set()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.engine.kernels.packed_linear import PackedLinear, bf16_packing_available, pack_experts
-from tokenmill.engine.model_config import ModelConfig, MoEConfig
+from tokenmill.textgen.model_config import ModelConfig, MoEConfig
 
 
 class RMSNorm(nn.Module):

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from tokenmill.engine.attention import AttentionBatch, paged_attention, write_kv
-from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary
+from tokenmill.textgen.model_config import ModelConfig
 
 
 class Attention(nn.Module):

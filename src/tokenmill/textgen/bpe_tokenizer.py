@@ -25,7 +25,7 @@ SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"
 BOS_TOKEN = "<|endoftext|>"  # never added automatically (no post-processor template), as in Qwen
 EOS_TOKEN = "<|im_end|>"  # ends an assistant turn; <|endoftext|> also stops generation
 PAD_TOKEN = "<|endoftext|>"
-CORPUS_PACKAGE = "tokenmill.engine.corpus"
+CORPUS_PACKAGE = "tokenmill.textgen.corpus"
 CORPUS_FILES: tuple[str, ...] = ("persuasion.txt",)
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte must stay representable
 

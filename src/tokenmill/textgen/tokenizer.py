@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tokenmill.engine.token_bytes import TokenBytes
+from tokenmill.textgen.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
     import tokenizers
@@ -232,7 +232,7 @@ class _RustBackend:
 
     def render_chat(self, messages: Any, add_generation_prompt: bool, **kwargs: Any) -> str:
         # Imported here: jinja2's sandbox costs ~30 ms, and mock workers never render a chat.
-        from tokenmill.engine.chat_template import render_conversation
+        from tokenmill.textgen.chat_template import render_conversation
 
         assert self._templates
         return render_conversation(self._templates, messages, self._specials.named,

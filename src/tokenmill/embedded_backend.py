@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.kv_tiers_wiring import tier_load
 from tokenmill.engine.llm_engine import EngineStats
-from tokenmill.engine.request import FINISH_ABORT, RequestOutput
-from tokenmill.engine.sampling import SamplingParams
-from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.frontend.backend import Overloaded
 from tokenmill.frontend.metrics import tier_gauges
+from tokenmill.textgen.outputs import FINISH_ABORT, RequestOutput
+from tokenmill.textgen.sampling import SamplingParams
+from tokenmill.textgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

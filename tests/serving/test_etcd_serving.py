@@ -1,0 +1,120 @@
+"""A frontend and workers that find each other only through a real etcd: requests are served,
+a SIGKILLed worker's registration ends with its lease and the survivor serves on, and stopping
+everything leaves no process and no key behind."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvloop
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.runtime.etcd_server import EtcdServer
+from tokenmill.runtime.etcd_discovery import EtcdDiscovery, parse_etcd_url
+
+MOCK = ("--runner", "mock", "--mock-step-time", "0.002,0,0,0")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spawn(*argv: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "tokenmill.cli", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _registered(url: str) -> list[str]:
+    """What a fresh reader of etcd sees under the workers' prefix."""
+    async def read() -> list[str]:
+        reader = EtcdDiscovery(*parse_etcd_url(url))
+        await reader.start()
+        reader.workers()  # starts its watch: a full read first
+        try:
+            async with asyncio.timeout(10):
+                while not reader.connected:
+                    await asyncio.sleep(0.02)
+            return sorted(w.worker_id for w in reader.workers())
+        finally:
+            await reader.close()
+    return uvloop.run(read())
+
+
+def _workers_seen(base: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=5, trust_env=False).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tokenmill_workers":
+                return sample.value
+    return 0.0
+
+
+def _wait(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+
+
+def test_frontend_and_workers_meet_through_etcd(tiny_dense: Path, tmp_path: Path,
+                                                processes: list[subprocess.Popen[bytes]]) -> None:
+    etcd = EtcdServer(tmp_path)
+    etcd.start()
+    try:
+        url, port = f"{etcd.url}/test-fleet", _free_port()
+        for name in ("w0", "w1"):
+            processes.append(_spawn("worker", "--model", str(tiny_dense), *MOCK, "--worker-id", name,
+                                    "--address", "tcp://127.0.0.1:0", "--discovery", url,
+                                    "--discovery-ttl-s", "1"))
+        processes.append(_spawn("frontend", "--model", str(tiny_dense), "--discovery", url, "--port", str(port)))
+        base = f"http://127.0.0.1:{port}"
+        _wait(lambda: _ready(base) and _workers_seen(base) == 2, timeout_s=120)
+        assert _registered(url) == ["w0", "w1"]
+        body = {"model": tiny_dense.resolve().name, "prompt": [5, 6, 7, 8], "max_tokens": 4, "ignore_eos": True}
+        for _ in range(4):
+            reply = httpx.post(f"{base}/v1/completions", json=body, timeout=30, trust_env=False)
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4, reply.text
+
+        os.kill(processes[1].pid, signal.SIGKILL)
+        _wait(lambda: _registered(url) == ["w0"], timeout_s=20)  # its lease ended it
+        _wait(lambda: _workers_seen(base) == 1)
+        for _ in range(4):
+            reply = httpx.post(f"{base}/v1/completions", json=body, timeout=30, trust_env=False)
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4, reply.text
+
+        processes[0].send_signal(signal.SIGTERM)
+        assert processes[0].wait(timeout=30) == 0
+        assert _registered(url) == []  # a clean stop deletes its key at once
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+        etcd.stop()
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/v1/models", timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False

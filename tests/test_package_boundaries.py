@@ -1,0 +1,54 @@
+"""DESIGN.md's arrows that keep a frontend or router host free of the engine (and so of torch):
+frontend, runtime and router import no `tokenmill.engine`, and `tokenmill.textgen`, the request
+types they share with the engine, imports no other tokenmill package. Checked twice: statically
+over every module (lazy imports inside functions included) and by importing them all in a fresh
+interpreter."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tokenmill
+
+PACKAGE = Path(tokenmill.__file__).parent
+FORBIDDEN = {"frontend": ("engine",), "runtime": ("engine",), "router": ("engine",),
+             "textgen": ("engine", "frontend", "router", "runtime", "worker", "kv", "sim", "planner", "bench",
+                         "transfer")}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_no_module_imports_across_a_forbidden_arrow(package: str) -> None:
+    crossings = [f"{path.relative_to(PACKAGE)} imports {name}"
+                 for path in sorted((PACKAGE / package).rglob("*.py"))
+                 for name in sorted(_imported_modules(path))
+                 if any(name == f"tokenmill.{other}" or name.startswith(f"tokenmill.{other}.")
+                        for other in FORBIDDEN[package])]
+    assert not crossings
+
+
+def test_the_frontend_process_loads_no_torch_and_no_engine() -> None:
+    script = (
+        "import importlib, pkgutil, sys, tokenmill\n"
+        "for package in ('frontend', 'runtime', 'router', 'textgen'):\n"
+        "    root = importlib.import_module(f'tokenmill.{package}')\n"
+        "    for info in pkgutil.walk_packages(root.__path__, f'tokenmill.{package}.'):\n"
+        "        importlib.import_module(info.name)\n"
+        "import tokenmill.frontend.frontend_cli\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('tokenmill.engine')))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
