@@ -18,7 +18,7 @@ import jinja2
 import pytest
 from transformers import AutoTokenizer
 
-from tokenmill.engine import tokenizer as tokenizer_module
+from tokenmill.textgen import tokenizer as tokenizer_module
 from tokenmill.textgen.tokenizer import Tokenizer
 
 PRESETS = ("tiny-dense", "tiny-moe", "tiny-llama")
