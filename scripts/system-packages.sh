@@ -10,6 +10,7 @@ PACKAGES=(
   "redis-server:redis-server"
   "chromium:chromium"  # the dashboard's browser test (Playwright drives it)
   "etcd-server:etcd"  # --discovery etcd:// (its tests start one on loopback)
+  "nats-server:nats-server"  # --event-plane nats:// (likewise)
 )
 
 missing=()

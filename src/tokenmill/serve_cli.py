@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tokenmill.frontend.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from tokenmill.frontend.control_socket import CONTROL_SOCKET_ENV
-from tokenmill.frontend.launch import (add_frontend_flags, api_keys, disagg_config, frontend_argv, make_backend,
-                                      model_name, router_policy, run_http)
+from tokenmill.frontend.launch import (add_frontend_flags, api_keys, disagg_config, event_plane, frontend_argv,
+                                      make_backend, model_name, router_policy, run_http)
 from tokenmill.runtime import event_loop
 from tokenmill.transfer.memory import remove_shared_files_of
 
@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             args.usd_per_worker_hour = profile_worker_hour(clock.profile.gpus, config.mock_speedup)
         _check_topology(args)
         disagg_config(args)
+        event_plane(args, "check")  # a bad --event-plane names itself here, before any worker starts
         if args.planner_mode is not None:  # (the planner's modules load the simulator: only when asked)
             from tokenmill.planner.in_process import check_flags
 
@@ -164,7 +165,9 @@ def _worker_argv(args: argparse.Namespace, name: str, role: str, run_dir: Path, 
             "--worker-id", name, "--address", f"ipc://{run_dir}/{name}.sock",
             "--discovery", f"file:{run_dir / 'registry'}", "--parent-pid", str(os.getpid()),
             "--served-model-name", model_name(args)]
-    if router_policy(args) == "kv" or role == "prefill":  # only KV routers consume events
+    if args.event_plane:
+        argv += ["--event-plane", args.event_plane]
+    elif router_policy(args) == "kv" or role == "prefill":  # only KV routers consume events
         argv += ["--events-address", f"ipc://{run_dir}/{name}-events.sock"]
     if args.max_queue is not None:
         argv += ["--max-queue", str(args.max_queue)]

@@ -149,34 +149,37 @@ def test_no_room_to_land_the_kv_releases_the_prefill_at_once(tiny_dense: Path) -
         dec_svc = KVTransferService("dec", ("shm",))
         dec = AsyncLLMEngine(LLMEngine(make_engine(tiny_dense, num_kv_blocks=8).config,
                                        kv_allocator=dec_svc.allocate))
-        hog, prompt = prompts(dec.engine, 2, seed=9, low=100, high=101)
-        dec.engine.add_request("hog", hog, dataclasses.replace(PARAMS, max_tokens=4))
-        dec.engine.step()  # the hog holds 7 of the 8 blocks
+        holder, prompt = prompts(dec.engine, 2, seed=9, low=100, high=101)
         for svc, engine in ((pre_svc, pre), (dec_svc, dec)):
             await engine.start()
             await svc.start(engine)
         try:
+            await collect(dec.generate("holder", holder, PARAMS, prefill_only=True))  # 7 of the 8 blocks, held
             first = (await collect(pre.generate("big", prompt, PARAMS, prefill_only=True)))[-1]
             handle = await pre_svc.handle_for(first)
-            rest = await collect(dec.generate(
+            decoding = asyncio.create_task(collect(dec.generate(
                 "big", prompt + first.new_token_ids, dataclasses.replace(PARAMS, max_tokens=PARAMS.max_tokens - 1),
                 output_offset=1, kv_import=KVImport(lambda plan: dec_svc.pull(handle, plan),
-                                                    lambda: dec_svc.decline(handle))))
-            for _ in range(100):  # the acknowledgement is asynchronous
-                if (await pre.stats()).num_held == 0:
+                                                    lambda: dec_svc.decline(handle)))))
+            for _ in range(200):  # declined, then acknowledged (asynchronously) while the pool is still full
+                if dec_svc.counters.declined and (await pre.stats()).num_held == 0:
                     break
                 await asyncio.sleep(0.05)
+            released_while_full = (await pre.stats()).num_held == 0
+            assert await dec.release_held("holder")  # room now: the local recompute can run
+            rest = await decoding
             output = first.new_token_ids + [t for o in rest for t in o.new_token_ids]
-            return output, prompt, {"pre": await pre.stats(), "dec": await dec.stats()}, pre_svc.counters, dec_svc.counters
+            stats = {"pre": await pre.stats(), "dec": await dec.stats()}
+            return output, prompt, released_while_full, stats, pre_svc.counters, dec_svc.counters
         finally:
             for svc, engine in ((pre_svc, pre), (dec_svc, dec)):
                 await svc.close()
                 await engine.stop()
 
-    output, prompt, stats, pre_c, dec_c = asyncio.run(scenario())
+    output, prompt, released_while_full, stats, pre_c, dec_c = asyncio.run(scenario())
     assert output == make_engine(tiny_dense, num_kv_blocks=96).generate([prompt], PARAMS)[0]
     assert dec_c.declined == 1 and dec_c.pulls == 0 and stats["dec"].prefill_tokens >= len(prompt)
-    assert pre_c.released_by_ack == 1 and pre_c.released_by_timeout == 0
+    assert released_while_full and pre_c.released_by_ack == 1 and pre_c.released_by_timeout == 0
     assert_clean(stats)
 
 

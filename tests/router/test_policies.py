@@ -121,9 +121,32 @@ def test_events_stale_flag_rises_with_traffic_but_no_events(caplog: pytest.LogCa
         for i in range(10):
             router.select(RoutingRequest(f"r{i}", [], 5))
         assert router.metrics_snapshot()["tokenmill_router_kv_events_stale"] == 1.0
-    assert "silently become load-only" in caplog.text
+    assert "own past decisions (kv-approx)" in caplog.text
     router.apply_event(BlockStored("a", "device", None, (1,), 0))
     assert router.stats.events_stale() is False
+
+
+def test_stale_events_route_on_the_routers_own_decisions_until_they_return() -> None:
+    """The event plane is down: the event-built index no longer learns where prompts went, so a
+    kv router scores on what it routed itself (the kv-approx index it always keeps), and goes
+    back to the events as soon as one arrives."""
+    clock = FakeClock()
+    router = Router(RouterConfig(policy="kv", events_stale_after_s=30.0), rng=random.Random(0), clock=clock)
+    for worker in ("a", "b"):
+        router.add_worker(worker)
+    clock.now = 100.0
+    for i in range(10):  # silent for 100 s across 10 decisions: stale
+        router.select(RoutingRequest(f"warm{i}", [1000 + i], 16))
+        router.on_finished(f"warm{i}")
+    first = router.select(RoutingRequest("first", [1, 2, 3, 4], 64))
+    router.on_finished("first")
+    again = router.select(RoutingRequest("again", [1, 2, 3, 4], 64))
+    assert first.policy == again.policy == "kv-approx"
+    assert again.worker == first.worker and again.overlap_blocks == 4  # known only from its own decision
+    assert router.metrics_snapshot()['tokenmill_router_decisions_total{policy="kv-approx"}'] == 2
+    router.apply_event(BlockStored("b", "device", None, (7,), 0))
+    back = router.select(RoutingRequest("back", [1, 2, 3, 4], 64))
+    assert back.policy == "kv" and back.overlap_blocks == 0  # the events say nobody holds it
 
 
 def test_config_validation() -> None:

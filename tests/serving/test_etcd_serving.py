@@ -1,6 +1,7 @@
-"""A frontend and workers that find each other only through a real etcd: requests are served,
-a SIGKILLed worker's registration ends with its lease and the survivor serves on, and stopping
-everything leaves no process and no key behind."""
+"""A frontend and workers that find each other only through a real etcd, registered at their
+advertised host (`localhost` for a loopback bind: tests bind nothing else): requests are
+served, a SIGKILLed worker's registration ends with its lease and the survivor serves on, and a
+clean stop deletes its key."""
 from __future__ import annotations
 
 import asyncio
@@ -35,9 +36,9 @@ def _spawn(*argv: str) -> subprocess.Popen[bytes]:
                             stderr=subprocess.DEVNULL)
 
 
-def _registered(url: str) -> list[str]:
-    """What a fresh reader of etcd sees under the workers' prefix."""
-    async def read() -> list[str]:
+def _registered(url: str) -> dict[str, str]:
+    """What a fresh reader of etcd sees under the workers' prefix: worker id -> address."""
+    async def read() -> dict[str, str]:
         reader = EtcdDiscovery(*parse_etcd_url(url))
         await reader.start()
         reader.workers()  # starts its watch: a full read first
@@ -45,7 +46,7 @@ def _registered(url: str) -> list[str]:
             async with asyncio.timeout(10):
                 while not reader.connected:
                     await asyncio.sleep(0.02)
-            return sorted(w.worker_id for w in reader.workers())
+            return {w.worker_id: w.address for w in reader.workers()}
         finally:
             await reader.close()
     return uvloop.run(read())
@@ -85,19 +86,22 @@ def test_frontend_and_workers_meet_through_etcd(tiny_dense: Path, tmp_path: Path
         url, port = f"{etcd.url}/test-fleet", _free_port()
         for name in ("w0", "w1"):
             processes.append(_spawn("worker", "--model", str(tiny_dense), *MOCK, "--worker-id", name,
-                                    "--address", "tcp://127.0.0.1:0", "--discovery", url,
+                                    "--address", "tcp://127.0.0.1:0", "--advertise-host", "localhost",
+                                    "--events-address", "tcp://127.0.0.1:0", "--discovery", url,
                                     "--discovery-ttl-s", "1"))
         processes.append(_spawn("frontend", "--model", str(tiny_dense), "--discovery", url, "--port", str(port)))
         base = f"http://127.0.0.1:{port}"
         _wait(lambda: _ready(base) and _workers_seen(base) == 2, timeout_s=120)
-        assert _registered(url) == ["w0", "w1"]
+        registered = _registered(url)
+        assert sorted(registered) == ["w0", "w1"]
+        assert all(address.startswith("tcp://localhost:") for address in registered.values())  # advertised
         body = {"model": tiny_dense.resolve().name, "prompt": [5, 6, 7, 8], "max_tokens": 4, "ignore_eos": True}
         for _ in range(4):
             reply = httpx.post(f"{base}/v1/completions", json=body, timeout=30, trust_env=False)
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4, reply.text
 
         os.kill(processes[1].pid, signal.SIGKILL)
-        _wait(lambda: _registered(url) == ["w0"], timeout_s=20)  # its lease ended it
+        _wait(lambda: sorted(_registered(url)) == ["w0"], timeout_s=20)  # its lease ended it
         _wait(lambda: _workers_seen(base) == 1)
         for _ in range(4):
             reply = httpx.post(f"{base}/v1/completions", json=body, timeout=30, trust_env=False)
@@ -105,7 +109,7 @@ def test_frontend_and_workers_meet_through_etcd(tiny_dense: Path, tmp_path: Path
 
         processes[0].send_signal(signal.SIGTERM)
         assert processes[0].wait(timeout=30) == 0
-        assert _registered(url) == []  # a clean stop deletes its key at once
+        assert _registered(url) == {}  # a clean stop deletes its key at once
     finally:
         for process in processes:
             if process.poll() is None:

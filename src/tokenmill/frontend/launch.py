@@ -49,6 +49,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reuse-port", action="store_true",
                         help="bind with SO_REUSEPORT, so several frontends share --port (the kernel "
                              "spreads connections over them)")
+    parser.add_argument("--event-plane", default=None, metavar="nats://HOST:PORT[,HOST:PORT]",
+                        help="KV events over NATS (every worker publishes, every frontend subscribes) "
+                             "instead of each worker's ZeroMQ socket")
 
 
 def frontend_argv(args: argparse.Namespace) -> list[str]:
@@ -59,8 +62,18 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
             "--router", router_policy(args), "--router-temperature", str(args.router_temperature),
             "--disagg-threshold", str(args.disagg_threshold), "--prefill-queue-limit", str(args.prefill_queue_limit),
             "--local-prefill-limit", str(args.local_prefill_limit),
+            *(["--event-plane", args.event_plane] if args.event_plane else []),
             "--reuse-port", *(["--no-access-log"] if args.no_access_log else []),
             *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])]
+
+
+def event_plane(args: argparse.Namespace, name: str):
+    """`--event-plane nats://…`: the frontend's NATS connection (ValueError naming the flag)."""
+    if not getattr(args, "event_plane", None):
+        return None
+    from tokenmill.runtime.event_plane import NatsEventPlane, parse_event_plane
+
+    return NatsEventPlane(parse_event_plane(args.event_plane), name=name)
 
 
 def router_policy(args: argparse.Namespace) -> str:
@@ -97,7 +110,8 @@ def make_backend(args: argparse.Namespace, discovery):
                                    cost=CostConfig(temperature=args.router_temperature)))
 
     # the prefill pool is always routed by KV overlap: that is where prompts are computed
-    pool = WorkerPool(discovery, router(router_policy(args)), prefill_router=router("kv"))
+    pool = WorkerPool(discovery, router(router_policy(args)), prefill_router=router("kv"),
+                      event_plane=event_plane(args, "frontend"))
     return DistributedBackend(pool, Tokenizer(args.model), model_name(args), limit,
                               default_timeout_s=args.request_timeout_s, disagg=disagg_config(args))
 

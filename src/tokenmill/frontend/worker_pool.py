@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -32,6 +32,9 @@ from tokenmill.runtime import protocol as p
 from tokenmill.runtime.discovery import Discovery, WorkerInfo
 from tokenmill.runtime.zmq_reader import SocketReader
 
+if TYPE_CHECKING:  # nats: only frontends given --event-plane
+    from tokenmill.runtime.event_plane import NatsEventPlane
+
 log = logging.getLogger(__name__)
 
 LOST: dict[str, Any] = {"type": "worker_lost"}
@@ -39,7 +42,8 @@ STARTUP_POLL_S = 0.02
 
 
 class WorkerConnection:
-    def __init__(self, info: WorkerInfo, ctx: zmq.Context, router: Router) -> None:
+    def __init__(self, info: WorkerInfo, ctx: zmq.Context, router: Router,
+                 event_plane: NatsEventPlane | None = None) -> None:
         self.info = info
         self.router = router
         self.socket = ctx.socket(zmq.DEALER)
@@ -54,13 +58,19 @@ class WorkerConnection:
             router.report_capacity(info.worker_id, int(info.metadata["num_blocks"]))
         self._reader = SocketReader(self.socket, self._on_frames)
         self._events: SocketReader | None = None
-        if info.metadata.get("events_address") and router.indexer is not None:
+        self._plane, self._subject = event_plane, info.metadata.get("events_subject")
+        if self._subject and event_plane is not None and router.indexer is not None:
+            event_plane.subscribe(self._subject, lambda frame: self._on_events([frame]))
+        elif info.metadata.get("events_address") and router.indexer is not None:
             events = ctx.socket(zmq.SUB)
             events.setsockopt(zmq.LINGER, 0)
             events.setsockopt(zmq.SUBSCRIBE, b"")
             events.connect(info.metadata["events_address"])
             self._events = SocketReader(events, self._on_events)
         self.send({"type": p.HELLO})
+        if router.indexer is not None and (self._subject or self._events is not None):
+            # a worker met mid-life: its blocks now, not as its next events trickle in
+            self.send({"type": p.KV_SNAPSHOT})
 
     @property
     def worker_id(self) -> str:
@@ -105,6 +115,8 @@ class WorkerConnection:
         if self._events is not None:
             self._events.close()
             self._events.socket.close()
+        if self._plane is not None and self._subject:
+            self._plane.unsubscribe(self._subject)
 
     def _on_frames(self, frames: list[bytes]) -> None:
         self.last_seen = time.monotonic()
@@ -153,8 +165,10 @@ class WorkerConnection:
 
 class WorkerPool:
     def __init__(self, discovery: Discovery, router: Router, heartbeat_timeout_s: float = 1.5,
-                 poll_s: float = 0.2, prefill_router: Router | None = None) -> None:
+                 poll_s: float = 0.2, prefill_router: Router | None = None,
+                 event_plane: NatsEventPlane | None = None) -> None:
         self.discovery = discovery
+        self.event_plane = event_plane
         self.router = router
         self.prefill_router = prefill_router or Router(router.config)
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -166,6 +180,9 @@ class WorkerPool:
 
     async def start(self) -> None:
         await self.discovery.start()
+        if self.event_plane is not None:
+            self.event_plane.on_reconnect = self.resync
+            await self.event_plane.start()
         self.refresh()
         self._task = asyncio.create_task(self._poll())
 
@@ -175,7 +192,15 @@ class WorkerPool:
         for conn in list(self.connections.values()):
             conn.close()
         self.connections.clear()
+        if self.event_plane is not None:
+            await self.event_plane.close()
         await self.discovery.close()
+
+    def resync(self) -> None:
+        """The event plane is (back) up: frames may have been lost meanwhile with no later event to
+        show the gap, so every worker sends a snapshot now."""
+        for conn in self.connections.values():
+            conn.send({"type": p.KV_SNAPSHOT})
 
     def router_for(self, role: str) -> Router:
         return self.prefill_router if role == "prefill" else self.router
@@ -220,7 +245,7 @@ class WorkerPool:
                 log.info("worker %s joined at %s", worker_id, info.address)
                 router = self.router_for(info.role)
                 router.add_worker(worker_id)
-                conn = self.connections[worker_id] = WorkerConnection(info, self.ctx, router)
+                conn = self.connections[worker_id] = WorkerConnection(info, self.ctx, router, self.event_plane)
                 for message in self.join_messages:
                     conn.send(message)
 

@@ -12,9 +12,12 @@
     router.report_capacity(worker, num_blocks)                         # its device pool size
     router.remove_worker("w1")           # lease lost: index, load and approx entries dropped
 
-`select` charges the chosen worker's load (and, in kv-approx mode, records the prompt's
+`select` charges the chosen worker's load (and, in kv and kv-approx mode, records the prompt's
 blocks against it). Policies: `kv` scores every candidate with `tokenmill.router.cost`
-on the event-built `KVIndexer`; `kv-approx` does the same on `ApproxIndexer`;
+on the event-built `KVIndexer` — or, while the events are stale (none for
+`events_stale_after_s` across routing decisions: the event plane is down), on the
+`ApproxIndexer` its own decisions keep, and says so (`kv-approx` in the decision and its
+counter); `kv-approx` always scores on `ApproxIndexer`;
 `round-robin` and `random` ignore state; `least-loaded` samples two candidates and takes
 the one with fewer active blocks (power of two choices). In disaggregated deployments
 hold two routers: the prefill pool's on `kv`, the decode pool's on the configured policy
@@ -78,7 +81,7 @@ class Router:
         self.load = LoadTracker(self.config.block_size)
         self.indexer = KVIndexer(self.config.cost.tier_preference()) if self.policy == "kv" else None
         self.approx = (ApproxIndexer(self.config.approx_ttl_s, self.config.approx_max_blocks, clock)
-                       if self.policy == "kv-approx" else None)
+                       if self.policy in ("kv", "kv-approx") else None)
         events_counter = (lambda: self.indexer.events_applied) if self.indexer is not None else None  # type: ignore[union-attr]
         self.stats = RouterStats(events_counter, self.config.events_stale_after_s, clock=clock)
         self._workers: dict[str, None] = {}  # insertion-ordered set
@@ -110,7 +113,8 @@ class Router:
         pool = self._candidates(candidates)
         prompt_blocks = request.prompt_blocks(self.config.block_size)
         if self.policy == "kv" and self.indexer is not None or self.policy == "kv-approx" and self.approx is not None:
-            decision = self._select_by_cost(request, pool, prompt_blocks)
+            approximate = self.policy == "kv-approx" or self.stats.events_stale()
+            decision = self._select_by_cost(request, pool, prompt_blocks, approximate)
         else:
             worker, reason = self._select_by_rule(pool)
             decision = RoutingDecision(request.request_id, worker, self.policy, reason, prompt_blocks,
@@ -119,7 +123,7 @@ class Router:
                             request.block_hashes, prompt_blocks)
         if self.approx is not None:
             self.approx.record(decision.worker, request.block_hashes)
-        self.stats.observe_decision(self.policy, self.timer() - started, decision.overlap_blocks)
+        self.stats.observe_decision(decision.policy, self.timer() - started, decision.overlap_blocks)
         self.stats.events_stale()  # raises the alarm (a warning) even when nobody scrapes
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", decision.explain())
@@ -199,8 +203,9 @@ class Router:
             raise NoWorkerAvailable("no worker to route to")
         return pool
 
-    def _select_by_cost(self, request: RoutingRequest, pool: Sequence[str], prompt_blocks: int) -> RoutingDecision:
-        index = self.indexer if self.indexer is not None else self.approx
+    def _select_by_cost(self, request: RoutingRequest, pool: Sequence[str], prompt_blocks: int,
+                        approximate: bool) -> RoutingDecision:
+        index = self.approx if approximate else self.indexer
         matches: WorkerMatches = index.match(request.block_hashes)  # type: ignore[union-attr]
         cost, load = self.config.cost, self.load.load
         hashes, short = request.block_hashes, self.load.shortfall
@@ -209,7 +214,7 @@ class Router:
         chosen_index, reason, probability = choose(terms, cost.temperature, self.rng)
         chosen = terms[chosen_index]
         return RoutingDecision(
-            request.request_id, chosen.worker, self.policy, reason, prompt_blocks,
+            request.request_id, chosen.worker, "kv-approx" if approximate else "kv", reason, prompt_blocks,
             overlap_blocks=sum(n for tier, n in chosen.overlap.items() if cost.tier_weights[tier] > 0),
             prefill_charge=chosen.new_prefill,
             decode_charge=chosen.request_decode, probability=probability, terms=terms)

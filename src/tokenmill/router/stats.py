@@ -90,11 +90,11 @@ class RouterStats:
         silent_for = self.clock() - self._last_event_at
         stale = silent_for >= self.stale_after_s and self._decisions_since_event >= self.min_decisions
         if stale and not self._stale:
-            log.warning("no KV events for %.0f s across %d routing decisions: KV-aware routing has "
-                        "silently become load-only (do the workers publish events?)",
-                        silent_for, self._decisions_since_event)
+            log.warning("no KV events for %.0f s across %d routing decisions: routing on the router's own "
+                        "past decisions (kv-approx) until they return (do the workers publish events? is the "
+                        "event plane up?)", silent_for, self._decisions_since_event)
         elif self._stale and not stale:
-            log.info("KV events are arriving again; KV-aware routing resumed")
+            log.info("KV events are arriving again; routing on the event-built index resumed")
         self._stale = stale
         return stale
 

@@ -1,4 +1,5 @@
-"""Publishes the engine's KV events to routers over a ZeroMQ PUB socket.
+"""Publishes the engine's KV events to routers: on a ZeroMQ PUB socket (the embedded default),
+or on the worker's NATS subject (`--event-plane`, `runtime/event_plane.py`).
 
 The engine emits events on its own thread; they are queued and sent from the
 asyncio loop in batches (one frame per loop turn), because a ZeroMQ socket must
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -19,14 +20,25 @@ from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.kv.events import KVEvent, event_to_wire
 from tokenmill.runtime import protocol as p
 
+if TYPE_CHECKING:
+    from tokenmill.runtime.event_plane import NatsEventPlane
+
 
 class KVEventPublisher:
-    def __init__(self, engine: AsyncLLMEngine, worker_id: str, address: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, worker_id: str, address: str | None = None,
+                 plane: NatsEventPlane | None = None, subject: str | None = None) -> None:
+        """Exactly one of `address` (ZeroMQ PUB, bound here) and `plane` + `subject` (NATS)."""
+        if (address is None) == (plane is None or subject is None):
+            raise ValueError("KV events go on one plane: a ZeroMQ address or a NATS subject")
         self.engine = engine
         self.worker_id = worker_id
-        self.socket = zmq.asyncio.Context.instance().socket(zmq.PUB)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.address = _bind(self.socket, address)
+        self.plane, self.subject = plane, subject
+        self.socket: zmq.asyncio.Socket | None = None
+        self.address: str | None = None
+        if address is not None:
+            self.socket = zmq.asyncio.Context.instance().socket(zmq.PUB)
+            self.socket.setsockopt(zmq.LINGER, 0)
+            self.address = _bind(self.socket, address)
         self._pending: list[dict[str, Any]] = []
         self._lock = threading.Lock()  # the engine thread appends, the loop thread takes
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -36,7 +48,8 @@ class KVEventPublisher:
         self.engine.engine.events.subscribe(self._on_event)
 
     def close(self) -> None:
-        self.socket.close()
+        if self.socket is not None:
+            self.socket.close()
 
     def _on_event(self, event: KVEvent) -> None:  # engine thread
         if self._loop is None:
@@ -53,8 +66,11 @@ class KVEventPublisher:
             batch, self._pending = self._pending, []
         if batch:
             frame = p.pack({"type": p.KV_EVENTS, "worker": self.worker_id, "events": batch})
+            if self.plane is not None and self.subject is not None:
+                self.plane.publish(self.subject, frame)
+                return
             try:
-                self.socket.send(frame, flags=zmq.NOBLOCK)
+                self.socket.send(frame, flags=zmq.NOBLOCK)  # type: ignore[union-attr]
             except zmq.ZMQError:
                 pass  # subscribers will see the gap and ask for a snapshot
 

@@ -25,10 +25,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "etcd://host:port[,host:port][/prefix] (workers on many hosts)")
     parser.add_argument("--discovery-ttl-s", type=float, default=3.0,
                         help="etcd: the registration's lease; a worker silent this long is gone")
+    parser.add_argument("--advertise-host", default=None,
+                        help="the host name or IP other hosts reach this worker at: registered in place of the "
+                             "bound host of --address and --events-address (tcp://0.0.0.0:0, say), and "
+                             "advertised for tcp KV transfers")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-queue", type=int, default=None,
                         help="requests that may wait beyond a full batch before 'overloaded'")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
+    parser.add_argument("--event-plane", default=None, metavar="nats://HOST:PORT[,HOST:PORT]",
+                        help="publish KV events on NATS (subject tokenmill.kv.<model>.<worker>) instead of "
+                             "a ZeroMQ socket (--events-address)")
     parser.add_argument("--events-address", default=None,
                         help="publish KV events here (ipc:// or tcp://host:0); default: not published")
     parser.add_argument("--role", default="agg", choices=("agg", "prefill", "decode"),
@@ -62,17 +69,28 @@ def run(args: argparse.Namespace) -> int:
         discovery = discovery_from_url(args.discovery, args.discovery_ttl_s)
         settings = WorkerSettings(args.worker_id, args.address, name, role=args.role, max_queue=args.max_queue,
                                   parent_pid=args.parent_pid, events_address=args.events_address,
-                                  drain_timeout_s=args.drain_timeout_s)
+                                  drain_timeout_s=args.drain_timeout_s, advertise_host=args.advertise_host)
+        event_plane = _event_plane(args)
         transfer = _transfer_service(args, transfer_delay(clock, config.mock_speedup))
         engine = AsyncLLMEngine(LLMEngine(config, kv_allocator=transfer.allocate if transfer else None))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = WorkerServer(engine, settings, discovery, transfer)
+    server = WorkerServer(engine, settings, discovery, transfer, event_plane)
     address = server.bind()
     log.info("worker %s serving %s on %s", args.worker_id, name, address)
     event_loop.run(_serve(server))
     return 0
+
+
+def _event_plane(args: argparse.Namespace):
+    if args.event_plane is None:
+        return None
+    if args.events_address is not None:
+        raise ValueError("--event-plane and --events-address: KV events go on one plane, choose one")
+    from tokenmill.runtime.event_plane import NatsEventPlane, parse_event_plane
+
+    return NatsEventPlane(parse_event_plane(args.event_plane), name=args.worker_id)
 
 
 def _transfer_service(args: argparse.Namespace, mock_transfer_seconds: Callable[[int], float] | None = None):
@@ -88,7 +106,8 @@ def _transfer_service(args: argparse.Namespace, mock_transfer_seconds: Callable[
     unknown = set(names) - {"shm", "tcp"}
     if not names or unknown or len(set(names)) != len(names):
         raise ValueError(f"--kv-transfer-backends: choose from shm, tcp (got {args.kv_transfer_backends!r})")
-    backends = [ShmBackend() if name == "shm" else TcpBackend(args.kv_transfer_host) for name in names]
+    backends = [ShmBackend() if name == "shm" else
+                TcpBackend(args.kv_transfer_host, advertise_host=args.advertise_host) for name in names]
     for flag in ("kv_hold_timeout_s", "kv_pull_timeout_s"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive")

@@ -40,7 +40,8 @@ from tokenmill.runtime.zmq_reader import SocketReader
 from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
 from tokenmill.worker.kv_publisher import KVEventPublisher
 
-if TYPE_CHECKING:  # torch: only prefill/decode workers move KV
+if TYPE_CHECKING:  # torch: only prefill/decode workers move KV; nats: only with --event-plane
+    from tokenmill.runtime.event_plane import NatsEventPlane
     from tokenmill.worker.kv_transfer import KVTransferService
 
 log = logging.getLogger(__name__)
@@ -63,15 +64,29 @@ class WorkerSettings:
     parent_pid: int | None = None  # exit when this process (the supervisor) is gone
     events_address: str | None = None  # where KV events are published (None: not published)
     drain_timeout_s: float = 10.0  # on stop: how long prefill-only work and held KV may finish
+    advertise_host: str | None = None  # what other hosts dial (bind 0.0.0.0, advertise this host's IP)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.advertise_host is not None:
+            if not self.advertise_host or any(c in self.advertise_host for c in "/: "):
+                raise ValueError(f"--advertise-host: a host name or IP address, got {self.advertise_host!r}")
+            for flag, address in (("--address", self.address), ("--events-address", self.events_address)):
+                if address is not None and not address.startswith("tcp://"):
+                    raise ValueError(f"--advertise-host needs a tcp:// {flag} (other hosts cannot dial {address})")
+
+
+def advertised(address: str, host: str | None) -> str:
+    """A bound tcp:// address as other hosts must dial it: `host` in place of the bound one."""
+    if host is None:
+        return address
+    return f"tcp://{host}:{address.rsplit(':', 1)[1]}"
 
 
 class WorkerServer:
     def __init__(self, engine: AsyncLLMEngine, settings: WorkerSettings, discovery: Discovery,
-                 transfer: KVTransferService | None = None) -> None:
+                 transfer: KVTransferService | None = None, event_plane: NatsEventPlane | None = None) -> None:
         self.engine = engine
         self.transfer = transfer
         self.settings = settings
@@ -91,8 +106,15 @@ class WorkerServer:
         self.tiers_enabled = True  # the managed cache: turned off and on by the admin API (p.TIERS)
         self._drain_task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
-        self.publisher = (KVEventPublisher(engine, settings.worker_id, settings.events_address)
-                          if settings.events_address else None)
+        self.event_plane = event_plane
+        self.publisher: KVEventPublisher | None = None
+        if event_plane is not None:
+            from tokenmill.runtime.event_plane import kv_subject
+
+            self.publisher = KVEventPublisher(engine, settings.worker_id, plane=event_plane,
+                                              subject=kv_subject(settings.model_name, settings.worker_id))
+        elif settings.events_address:
+            self.publisher = KVEventPublisher(engine, settings.worker_id, settings.events_address)
 
     def bind(self) -> str:
         address = self.settings.address
@@ -101,13 +123,15 @@ class WorkerServer:
             address = f"{address.rsplit(':', 1)[0]}:{port}"
         else:
             self.socket.bind(address)
-        self.settings.address = address
-        return address
+        self.settings.address = advertised(address, self.settings.advertise_host)
+        return self.settings.address
 
     async def serve(self) -> None:
         await self.engine.start()
         if self.transfer is not None:
             await self.transfer.start(self.engine)
+        if self.event_plane is not None:
+            await self.event_plane.start()
         if self.publisher is not None:
             self.publisher.start()
         await self.discovery.start()
@@ -133,6 +157,8 @@ class WorkerServer:
             self.socket.close()
             if self.publisher is not None:
                 self.publisher.close()
+            if self.event_plane is not None:
+                await self.event_plane.close()
             await self.discovery.close()
 
     def stop(self) -> None:
@@ -177,7 +203,9 @@ class WorkerServer:
             incarnation=uuid.uuid4().hex,
             metadata={"max_model_len": engine.max_model_len, "block_size": engine.config.block_size,
                       "hash_seed": engine.config.hash_seed,
-                      "events_address": self.publisher.address if self.publisher else None,
+                      "events_address": (advertised(self.publisher.address, self.settings.advertise_host)
+                                         if self.publisher and self.publisher.address else None),
+                      "events_subject": self.publisher.subject if self.publisher else None,
                       # before serving, the engine thread is idle, so reading its state here is safe
                       **self._load(engine.stats())},
         )
