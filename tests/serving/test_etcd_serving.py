@@ -7,28 +7,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import uvloop
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.runtime.etcd_server import EtcdServer
+from tests.serving.probes import answers, metric, wait
+from tokenmill.bench.serve_process import free_port
 from tokenmill.runtime.etcd_discovery import EtcdDiscovery, parse_etcd_url
 
 MOCK = ("--runner", "mock", "--mock-step-time", "0.002,0,0,0")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _spawn(*argv: str) -> subprocess.Popen[bytes]:
@@ -52,22 +45,6 @@ def _registered(url: str) -> dict[str, str]:
     return uvloop.run(read())
 
 
-def _workers_seen(base: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=5, trust_env=False).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "tokenmill_workers":
-                return sample.value
-    return 0.0
-
-
-def _wait(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
@@ -83,7 +60,7 @@ def test_frontend_and_workers_meet_through_etcd(tiny_dense: Path, tmp_path: Path
     etcd = EtcdServer(tmp_path)
     etcd.start()
     try:
-        url, port = f"{etcd.url}/test-fleet", _free_port()
+        url, port = f"{etcd.url}/test-fleet", free_port()
         for name in ("w0", "w1"):
             processes.append(_spawn("worker", "--model", str(tiny_dense), *MOCK, "--worker-id", name,
                                     "--address", "tcp://127.0.0.1:0", "--advertise-host", "localhost",
@@ -91,7 +68,7 @@ def test_frontend_and_workers_meet_through_etcd(tiny_dense: Path, tmp_path: Path
                                     "--discovery-ttl-s", "1"))
         processes.append(_spawn("frontend", "--model", str(tiny_dense), "--discovery", url, "--port", str(port)))
         base = f"http://127.0.0.1:{port}"
-        _wait(lambda: _ready(base) and _workers_seen(base) == 2, timeout_s=120)
+        wait(lambda: answers(base) and metric(base, "tokenmill_workers") == 2, "both workers", timeout_s=120)
         registered = _registered(url)
         assert sorted(registered) == ["w0", "w1"]
         assert all(address.startswith("tcp://localhost:") for address in registered.values())  # advertised
@@ -101,8 +78,8 @@ def test_frontend_and_workers_meet_through_etcd(tiny_dense: Path, tmp_path: Path
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4, reply.text
 
         os.kill(processes[1].pid, signal.SIGKILL)
-        _wait(lambda: sorted(_registered(url)) == ["w0"], timeout_s=20)  # its lease ended it
-        _wait(lambda: _workers_seen(base) == 1)
+        wait(lambda: sorted(_registered(url)) == ["w0"], "its lease to end", timeout_s=20)
+        wait(lambda: metric(base, "tokenmill_workers") == 1, "the frontend to drop it")
         for _ in range(4):
             reply = httpx.post(f"{base}/v1/completions", json=body, timeout=30, trust_env=False)
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4, reply.text
@@ -115,10 +92,3 @@ def test_frontend_and_workers_meet_through_etcd(tiny_dense: Path, tmp_path: Path
             if process.poll() is None:
                 process.kill()
         etcd.stop()
-
-
-def _ready(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/v1/models", timeout=2, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False

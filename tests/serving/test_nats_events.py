@@ -7,33 +7,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.runtime.nats_server import NatsServer
 from tests.serving.conftest import start_server, stop_server
+from tests.serving.probes import answers, metric, wait
 from tokenmill.bench.serve_process import free_port
 from tokenmill.runtime.event_plane import kv_subject, parse_event_plane
 
 MOCK = ("--runner", "mock", "--mock-step-time", "0.002,0,0,0")
 
 
-def _metric(base: str, name: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=5, trust_env=False).text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name)
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def _send(base: str, prefix: list[int], count: int) -> None:
@@ -54,19 +41,19 @@ def test_kv_events_over_nats_survive_nats_going_away(tiny_dense: Path, tmp_path:
         assert all(e["metadata"]["events_subject"] == kv_subject("tiny", e["worker_id"]) for e in entries)
         assert all(not e["metadata"]["events_address"] for e in entries)  # no ZeroMQ event sockets
         _send(base, list(range(10, 74)), 4)
-        _wait(lambda: _metric(base, "tokenmill_router_index_blocks") >= 4, "the index to fill from NATS")
-        applied = _metric(base, "tokenmill_router_kv_events_applied_total")
+        wait(lambda: metric(base, "tokenmill_router_index_blocks") >= 4, "the index to fill from NATS")
+        applied = metric(base, "tokenmill_router_kv_events_applied_total")
 
         nats.stop()
         _send(base, list(range(300, 364)), 4)  # served on the last known KV state
-        assert _metric(base, "tokenmill_router_kv_events_applied_total") == applied  # nothing came through
+        assert metric(base, "tokenmill_router_kv_events_applied_total") == applied  # nothing came through
 
         nats.start()  # the same port: both sides reconnect, the frontend asks for snapshots
-        _wait(lambda: _metric(base, "tokenmill_router_index_blocks") >= 8,
+        wait(lambda: metric(base, "tokenmill_router_index_blocks") >= 8,
               "the snapshots to bring the outage's blocks into the index", timeout_s=60)
-        before = _metric(base, "tokenmill_router_kv_events_applied_total")
+        before = metric(base, "tokenmill_router_kv_events_applied_total")
         _send(base, list(range(600, 664)), 4)
-        _wait(lambda: _metric(base, "tokenmill_router_kv_events_applied_total") > before, "events to flow again")
+        wait(lambda: metric(base, "tokenmill_router_kv_events_applied_total") > before, "events to flow again")
     finally:
         stop_server(server)
         nats.stop()
@@ -98,22 +85,15 @@ def test_a_second_frontend_warms_from_snapshots_and_agrees(tiny_dense: Path, tmp
         first_url, second_url = server.url, f"http://127.0.0.1:{port}"
         _send(first_url, list(range(10, 74)), 3)
         _send(first_url, list(range(300, 364)), 3)
-        _wait(lambda: _metric(first_url, "tokenmill_router_index_blocks") >= 8, "the first index")
-        _wait(lambda: _up(second_url) and _metric(second_url, "tokenmill_router_index_blocks")
-              == _metric(first_url, "tokenmill_router_index_blocks"), "the second frontend's index to warm up")
-        assert _metric(second_url, "tokenmill_router_decisions_total") == 0  # warmed with no traffic through it
+        wait(lambda: metric(first_url, "tokenmill_router_index_blocks") >= 8, "the first index")
+        wait(lambda: answers(second_url) and metric(second_url, "tokenmill_router_index_blocks")
+              == metric(first_url, "tokenmill_router_index_blocks"), "the second frontend's index to warm up")
+        assert metric(second_url, "tokenmill_router_decisions_total") == 0  # warmed with no traffic through it
         _send(second_url, list(range(600, 664)), 3)
-        _wait(lambda: _metric(second_url, "tokenmill_router_index_blocks")
-              == _metric(first_url, "tokenmill_router_index_blocks") >= 12, "both indexes to take the new blocks")
+        wait(lambda: metric(second_url, "tokenmill_router_index_blocks")
+              == metric(first_url, "tokenmill_router_index_blocks") >= 12, "both indexes to take the new blocks")
     finally:
         second.terminate()
         second.wait(timeout=30)
         stop_server(server)
         nats.stop()
-
-
-def _up(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/v1/models", timeout=2, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
