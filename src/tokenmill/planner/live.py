@@ -1,4 +1,6 @@
-"""The local connector: the planner against a running `tokenmill serve`, over its HTTP API.
+"""The local connector: the planner against a running `tokenmill serve`, over its HTTP API (or,
+with a `connector`, e.g. `KubernetesConnector`, workers listed and scaled by it instead, the
+frontend's `/metrics` still the load).
 
 Every interval: scrape `/metrics`, read `GET /admin/workers`, make the `Observation`, step the
 planner, and carry out its actions with `POST /admin/workers` (`start` N of a role; `drain` N of
@@ -41,6 +43,7 @@ class LiveDeployment:
     metrics: PlannerMetrics | None = None
     outcomes: list[ActionOutcome] = field(default_factory=list)
     paused: bool = False  # observes but neither decides nor acts (the dashboard's planner switch)
+    connector: Any = None  # `workers()` and `scale(role, delta)` elsewhere than /admin/workers
     _last: dict[str, Any] | None = None
     _started: float = field(default_factory=time.monotonic)
 
@@ -75,9 +78,12 @@ class LiveDeployment:
         return decision
 
     async def workers(self) -> list[dict[str, Any]]:
-        response = await self.client.get("/admin/workers")
-        response.raise_for_status()
-        workers = response.json().get("data", [])
+        if self.connector is not None:
+            workers = await self.connector.workers()
+        else:
+            response = await self.client.get("/admin/workers")
+            response.raise_for_status()
+            workers = response.json().get("data", [])
         now = time.monotonic() - self._started
         for worker in workers:  # its age on this loop's clock, for the warm-up rule
             if isinstance(worker.get("started_at"), (int, float)):
@@ -85,6 +91,10 @@ class LiveDeployment:
         return workers
 
     async def _execute(self, role: str, delta: int) -> None:
+        if self.connector is not None:
+            outcome = await self.connector.scale(role, delta)
+            self.outcomes.append(outcome)
+            return
         body = {"action": "start" if delta > 0 else "drain", "role": role, "count": abs(delta)}
         response = await self.client.post("/admin/workers", json=body)
         detail = response.json() if response.headers.get("content-type", "").startswith("application/json") else None

@@ -27,6 +27,13 @@ from tokenmill.sim.fleet.clock import parse_profile
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="the frontend, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--connector", choices=("local", "kubernetes"), default="local",
+                        help="local: workers started and drained through the frontend's /admin/workers "
+                             "(tokenmill serve); kubernetes: the Deployments' pods, scaled through their "
+                             "scale subresource (deploy/k8s)")
+    parser.add_argument("--namespace", default="tokenmill", help="kubernetes: the deployment's namespace")
+    parser.add_argument("--deployment-prefix", default="tokenmill",
+                        help="kubernetes: the worker Deployments are PREFIX-prefill, PREFIX-decode, PREFIX-agg")
     parser.add_argument("--admin-api-key", default=os.environ.get("TOKENMILL_ADMIN_API_KEY"),
                         help="Bearer key of /admin (default: $TOKENMILL_ADMIN_API_KEY)")
     parser.add_argument("--profile", required=True, help="MODEL@GPU[:precision][:layout] of every replica")
@@ -63,16 +70,17 @@ async def _run(args: argparse.Namespace, profiles, limits) -> int:
     headers = {"Authorization": f"Bearer {args.admin_api_key}"} if args.admin_api_key else {}
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=30.0, trust_env=False) as client:
         try:
-            roles = {w.get("role") for w in await _workers(client)}
+            roles, connector = await _deployment(args, client)
         except (httpx.HTTPError, ValueError) as exc:
-            print(f"error: --url {args.url}: cannot read /admin/workers ({exc})")
+            where = "--connector kubernetes" if args.connector == "kubernetes" else f"--url {args.url}: /admin/workers"
+            print(f"error: {where}: {exc}")
             return 2
         kv = None if args.kv_cache_blocks is None else {r: args.kv_cache_blocks * args.block_size for r in profiles}
         forecaster = make_forecaster(args.predictor, args.warm_start_trace, args.planner_interval_s)
         planner = make_planner(profiles, "decode" in roles, args.planner_mode, forecaster, limits,
                                args.ttft_ms / 1e3, args.itl_ms / 1e3, args.max_num_seqs, args.max_num_batched_tokens,
                                kv, (args.lookahead_s or 0.0) / args.planner_interval_s, args.forecast_quantile)
-        deployment = LiveDeployment(planner, client, args.planner_interval_s, args.warmup_s)
+        deployment = LiveDeployment(planner, client, args.planner_interval_s, args.warmup_s, connector=connector)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, stop.set)
@@ -85,6 +93,21 @@ async def _run(args: argparse.Namespace, profiles, limits) -> int:
     if args.json_out:
         args.json_out.write_text(json.dumps([d.to_json() for d in planner.decisions], indent=1) + "\n")
     return 0
+
+
+async def _deployment(args: argparse.Namespace, client: httpx.AsyncClient):
+    """The roles the deployment runs, and the connector that lists and scales its workers (None:
+    the frontend's /admin/workers does)."""
+    if args.connector == "local":
+        return {w.get("role") for w in await _workers(client)}, None
+    from tokenmill.planner.kubernetes_connector import KubernetesConnector
+
+    connector = KubernetesConnector.from_cluster(args.namespace, args.deployment_prefix, ("agg", "prefill", "decode"))
+    roles = await connector.roles()
+    if not roles:
+        raise ValueError(f"no {args.deployment_prefix}-{{agg,prefill,decode}} Deployment in namespace {args.namespace}")
+    connector.deployments = {role: name for role, name in connector.deployments.items() if role in roles}
+    return roles, connector
 
 
 async def _workers(client: httpx.AsyncClient) -> list[dict]:

@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the host name or IP other hosts reach this worker at: registered in place of the "
                              "bound host of --address and --events-address (tcp://0.0.0.0:0, say), and "
                              "advertised for tcp KV transfers")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="answer GET /health here (200 while taking requests, else 503): a readiness probe")
+    parser.add_argument("--health-host", default="127.0.0.1",
+                        help="where --health-port listens (0.0.0.0 in a pod, for the kubelet)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-queue", type=int, default=None,
                         help="requests that may wait beyond a full batch before 'overloaded'")
@@ -78,8 +82,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     server = WorkerServer(engine, settings, discovery, transfer, event_plane)
     address = server.bind()
+    health = None
+    if args.health_port is not None:
+        from tokenmill.worker.health import HealthServer
+
+        try:
+            health = HealthServer(args.health_host, args.health_port, server.ready)
+        except OSError as exc:
+            print(f"error: --health-port {args.health_port}: {exc}", file=sys.stderr)
+            return 2
+        health.start()
     log.info("worker %s serving %s on %s", args.worker_id, name, address)
-    event_loop.run(_serve(server))
+    try:
+        event_loop.run(_serve(server))
+    finally:
+        if health is not None:
+            health.close()
     return 0
 
 

@@ -103,6 +103,7 @@ class WorkerServer:
         self.prefill_only: set[str] = set()  # ids in `tasks` that end with a KV handle
         self.requests_served = 0
         self.draining = False
+        self.registered = False
         self.tiers_enabled = True  # the managed cache: turned off and on by the admin API (p.TIERS)
         self._drain_task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
@@ -136,6 +137,7 @@ class WorkerServer:
             self.publisher.start()
         await self.discovery.start()
         self.discovery.register(self._info())
+        self.registered = True
         heartbeat = asyncio.create_task(self._heartbeat_loop())
         self._reader = SocketReader(self.socket, self._on_frames)
         try:
@@ -163,6 +165,11 @@ class WorkerServer:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def ready(self) -> bool:
+        """Takes new requests: registered, its engine stepping, neither draining nor stopping (read
+        from the health endpoint's thread: plain attribute reads)."""
+        return self.registered and not self.draining and not self._stopping.is_set() and self.engine.is_running()
 
     def drain(self) -> None:
         """Finish everything held, take nothing new, then stop (the graceful drain: never aborts)."""
