@@ -11,6 +11,7 @@ PACKAGES=(
   "chromium:chromium"  # the dashboard's browser test (Playwright drives it)
   "etcd-server:etcd"  # --discovery etcd:// (its tests start one on loopback)
   "nats-server:nats-server"  # --event-plane nats:// (likewise)
+  "iproute2:ip"  # the multi-host test's network namespaces
 )
 
 missing=()

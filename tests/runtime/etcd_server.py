@@ -4,27 +4,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import asyncio
+
 import httpx
+import uvloop
 
 from tests.runtime.loopback_server import LoopbackServer
+from tokenmill.runtime.etcd_discovery import EtcdDiscovery, parse_etcd_url
 from tokenmill.bench.serve_process import free_port
 
 
 class EtcdServer(LoopbackServer):
     binary, package = "etcd", "etcd-server"
 
-    def __init__(self, workdir: Path) -> None:
-        super().__init__()
+    def __init__(self, workdir: Path, host: str = "127.0.0.1", prefix: tuple[str, ...] = ()) -> None:
+        super().__init__(host, prefix)
         self.workdir = workdir
         self.client_port, self.peer_port = free_port(), free_port()
         self.generation = 0
 
     @property
     def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.client_port}"
+        return f"etcd://{self.host}:{self.client_port}"
 
     def start(self) -> None:
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        client, peer = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{self.peer_port}"
 
         def healthy() -> bool:
             try:
@@ -42,3 +46,19 @@ class EtcdServer(LoopbackServer):
         if fresh:
             self.generation += 1
         self.start()
+
+
+def registered(url: str) -> dict[str, str]:
+    """What a fresh reader of etcd sees under the workers' prefix: worker id -> address."""
+    async def read() -> dict[str, str]:
+        reader = EtcdDiscovery(*parse_etcd_url(url))
+        await reader.start()
+        reader.workers()  # starts its watch: a full read first
+        try:
+            async with asyncio.timeout(10):
+                while not reader.connected:
+                    await asyncio.sleep(0.02)
+            return {w.worker_id: w.address for w in reader.workers()}
+        finally:
+            await reader.close()
+    return uvloop.run(read())

@@ -4,7 +4,6 @@ served, a SIGKILLed worker's registration ends with its lease and the survivor s
 clean stop deletes its key."""
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -14,12 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvloop
 
-from tests.runtime.etcd_server import EtcdServer
+from tests.runtime.etcd_server import EtcdServer, registered
 from tests.serving.probes import answers, metric, wait
 from tokenmill.bench.serve_process import free_port
-from tokenmill.runtime.etcd_discovery import EtcdDiscovery, parse_etcd_url
 
 MOCK = ("--runner", "mock", "--mock-step-time", "0.002,0,0,0")
 
@@ -27,22 +24,6 @@ MOCK = ("--runner", "mock", "--mock-step-time", "0.002,0,0,0")
 def _spawn(*argv: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "tokenmill.cli", *argv], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-
-
-def _registered(url: str) -> dict[str, str]:
-    """What a fresh reader of etcd sees under the workers' prefix: worker id -> address."""
-    async def read() -> dict[str, str]:
-        reader = EtcdDiscovery(*parse_etcd_url(url))
-        await reader.start()
-        reader.workers()  # starts its watch: a full read first
-        try:
-            async with asyncio.timeout(10):
-                while not reader.connected:
-                    await asyncio.sleep(0.02)
-            return {w.worker_id: w.address for w in reader.workers()}
-        finally:
-            await reader.close()
-    return uvloop.run(read())
 
 
 @pytest.fixture
@@ -69,16 +50,16 @@ def test_frontend_and_workers_meet_through_etcd(tiny_dense: Path, tmp_path: Path
         processes.append(_spawn("frontend", "--model", str(tiny_dense), "--discovery", url, "--port", str(port)))
         base = f"http://127.0.0.1:{port}"
         wait(lambda: answers(base) and metric(base, "tokenmill_workers") == 2, "both workers", timeout_s=120)
-        registered = _registered(url)
-        assert sorted(registered) == ["w0", "w1"]
-        assert all(address.startswith("tcp://localhost:") for address in registered.values())  # advertised
+        entries = registered(url)
+        assert sorted(entries) == ["w0", "w1"]
+        assert all(address.startswith("tcp://localhost:") for address in entries.values())  # advertised
         body = {"model": tiny_dense.resolve().name, "prompt": [5, 6, 7, 8], "max_tokens": 4, "ignore_eos": True}
         for _ in range(4):
             reply = httpx.post(f"{base}/v1/completions", json=body, timeout=30, trust_env=False)
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4, reply.text
 
         os.kill(processes[1].pid, signal.SIGKILL)
-        wait(lambda: sorted(_registered(url)) == ["w0"], "its lease to end", timeout_s=20)
+        wait(lambda: sorted(registered(url)) == ["w0"], "its lease to end", timeout_s=20)
         wait(lambda: metric(base, "tokenmill_workers") == 1, "the frontend to drop it")
         for _ in range(4):
             reply = httpx.post(f"{base}/v1/completions", json=body, timeout=30, trust_env=False)
@@ -86,7 +67,7 @@ def test_frontend_and_workers_meet_through_etcd(tiny_dense: Path, tmp_path: Path
 
         processes[0].send_signal(signal.SIGTERM)
         assert processes[0].wait(timeout=30) == 0
-        assert _registered(url) == {}  # a clean stop deletes its key at once
+        assert registered(url) == {}  # a clean stop deletes its key at once
     finally:
         for process in processes:
             if process.poll() is None:
