@@ -18,6 +18,7 @@ from tokenmill.frontend.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from tokenmill.frontend.control_socket import CONTROL_SOCKET_ENV
 from tokenmill.frontend.launch import (add_frontend_flags, api_keys, disagg_config, event_plane, frontend_argv,
                                       make_backend, model_name, router_policy, run_http)
+from tokenmill.router.policies import RouterConfig
 from tokenmill.runtime import event_loop
 from tokenmill.transfer.memory import remove_shared_files_of
 
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         _check_topology(args)
         disagg_config(args)
         event_plane(args, "check")  # a bad --event-plane names itself here, before any worker starts
+        RouterConfig(policy=router_policy(args), events_stale_after_s=args.events_stale_after_s)
         if args.planner_mode is not None:  # (the planner's modules load the simulator: only when asked)
             from tokenmill.planner.in_process import check_flags
 

@@ -19,6 +19,7 @@ def tokenmill(*argv: str) -> subprocess.CompletedProcess[str]:
     (("--prefill", "1", "--decode", "1", "--prefill-queue-limit", "0"), "--prefill-queue-limit"),
     (("--prefill", "1", "--decode", "1", "--local-prefill-limit", "-1"), "--local-prefill-limit"),
     (("--event-plane", "nats://nohost"), "--event-plane: 'nohost' is not host:port"),
+    (("--events-stale-after-s", "0"), "--events-stale-after-s must be positive"),
 ])
 def test_serve_refuses_bad_topologies(tiny_dense: Path, flags: tuple[str, ...], message: str) -> None:
     result = tokenmill("serve", "--model", str(tiny_dense), *flags)

@@ -8,11 +8,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def metric(base: str, name: str) -> float:
-    """The sum of every sample called `name` on the frontend's /metrics (0 when there is none)."""
+def metric(base: str, name: str, **labels: str) -> float:
+    """The sum of every sample called `name` (with these labels) on the frontend's /metrics; 0 if none."""
     text = httpx.get(f"{base}/metrics", timeout=5, trust_env=False).text
     return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name)
+               if sample.name == name and labels.items() <= sample.labels.items())
 
 
 def answers(base: str) -> bool:

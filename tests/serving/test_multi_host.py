@@ -1,9 +1,10 @@
 """Four hosts (network namespaces on a bridge): a frontend on one, a prefill and a decode worker
 on two others, etcd and NATS on the fourth. They meet through etcd, carry KV events over NATS
-and KV over tcp; the greedy text equals one host's. A SIGKILLed worker's lease ends it and the
+and KV over tcp; the greedy text, streamed or not, equals one host's. A SIGKILLed worker's lease ends it and the
 fleet serves on. Stopped, nothing is left: no process, namespace, link or shared-memory file."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -42,6 +43,18 @@ def _completions(base: str) -> list[str]:
     return texts
 
 
+def _streamed(base: str, prompt: list[int]) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    text = []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120, trust_env=False) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += [choice["text"] for choice in json.loads(line[6:])["choices"]]
+    return "".join(text)
+
+
 def _worker(hosts: Hosts, host: int, role: str, name: str, etcd: str, nats: str, model: Path) -> list[str]:
     address = hosts.address(host)
     return [*hosts.prefix(host), sys.executable, "-m", "tokenmill.cli", "worker", "--model", str(model),
@@ -78,6 +91,7 @@ def test_four_hosts_serve_disaggregated_as_one_and_leave_nothing(hosts: Hosts, t
         wait(lambda: answers(base) and metric(base, "tokenmill_workers") == 2, "both workers", timeout_s=180)
 
         assert _completions(base) == expected  # prefilled on one host, decoded on another
+        assert _streamed(base, PROMPTS[1]) == expected[1]
         # the workers' counters reach the frontend with their next heartbeat
         wait(lambda: metric(base, "tokenmill_worker_kv_pulls") >= len(PROMPTS), "the decode worker's pulls")
         assert metric(base, "tokenmill_worker_kv_pull_failures") == 0

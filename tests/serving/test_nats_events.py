@@ -1,12 +1,13 @@
 """KV events over a real NATS: a `tokenmill serve --event-plane nats://…` deployment routes by KV
 overlap from events its workers publish on NATS (no ZeroMQ event sockets); stopping NATS loses
-no request, and once it is back the events flow again and every worker's snapshot re-fills the
-router's index; a second frontend over the same workers warms from their snapshots and keeps an
+no request, the router raises its stale signal and routes on its own past decisions, and once
+NATS is back the events flow again and every worker's snapshot re-fills the router's index; a second frontend over the same workers warms from their snapshots and keeps an
 index equal to the first's."""
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -34,7 +35,7 @@ def test_kv_events_over_nats_survive_nats_going_away(tiny_dense: Path, tmp_path:
     nats = NatsServer()
     nats.start()
     server = start_server(tiny_dense, tmp_path / "run", *MOCK, "--router", "kv", "--event-plane", nats.url,
-                          workers=2)
+                          "--events-stale-after-s", "1", workers=2)
     try:
         base = server.url
         entries = server.registry()
@@ -47,6 +48,10 @@ def test_kv_events_over_nats_survive_nats_going_away(tiny_dense: Path, tmp_path:
         nats.stop()
         _send(base, list(range(300, 364)), 4)  # served on the last known KV state
         assert metric(base, "tokenmill_router_kv_events_applied_total") == applied  # nothing came through
+        time.sleep(1.5)  # past --events-stale-after-s: the next decisions find the events stale
+        _send(base, list(range(900, 964)), 12)
+        assert metric(base, "tokenmill_router_kv_events_stale") == 1
+        assert metric(base, "tokenmill_router_decisions_total", policy="kv-approx") >= 1  # its own decisions
 
         nats.start()  # the same port: both sides reconnect, the frontend asks for snapshots
         wait(lambda: metric(base, "tokenmill_router_index_blocks") >= 8,
@@ -54,6 +59,7 @@ def test_kv_events_over_nats_survive_nats_going_away(tiny_dense: Path, tmp_path:
         before = metric(base, "tokenmill_router_kv_events_applied_total")
         _send(base, list(range(600, 664)), 4)
         wait(lambda: metric(base, "tokenmill_router_kv_events_applied_total") > before, "events to flow again")
+        assert metric(base, "tokenmill_router_kv_events_stale") == 0
     finally:
         stop_server(server)
         nats.stop()

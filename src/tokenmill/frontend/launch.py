@@ -49,6 +49,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reuse-port", action="store_true",
                         help="bind with SO_REUSEPORT, so several frontends share --port (the kernel "
                              "spreads connections over them)")
+    parser.add_argument("--events-stale-after-s", type=float, default=30.0,
+                        help="a KV router whose events have been silent this long (across 10 decisions) raises "
+                             "tokenmill_router_kv_events_stale and routes on its own past decisions until they return")
     parser.add_argument("--event-plane", default=None, metavar="nats://HOST:PORT[,HOST:PORT]",
                         help="KV events over NATS (every worker publishes, every frontend subscribes) "
                              "instead of each worker's ZeroMQ socket")
@@ -62,6 +65,7 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
             "--router", router_policy(args), "--router-temperature", str(args.router_temperature),
             "--disagg-threshold", str(args.disagg_threshold), "--prefill-queue-limit", str(args.prefill_queue_limit),
             "--local-prefill-limit", str(args.local_prefill_limit),
+            "--events-stale-after-s", str(args.events_stale_after_s),
             *(["--event-plane", args.event_plane] if args.event_plane else []),
             "--reuse-port", *(["--no-access-log"] if args.no_access_log else []),
             *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])]
@@ -107,7 +111,8 @@ def make_backend(args: argparse.Namespace, discovery):
     limit = args.max_model_len or config.max_position_embeddings
     def router(policy: str) -> Router:
         return Router(RouterConfig(policy=policy, block_size=getattr(args, "block_size", 16),
-                                   cost=CostConfig(temperature=args.router_temperature)))
+                                   cost=CostConfig(temperature=args.router_temperature),
+                                   events_stale_after_s=args.events_stale_after_s))
 
     # the prefill pool is always routed by KV overlap: that is where prompts are computed
     pool = WorkerPool(discovery, router(router_policy(args)), prefill_router=router("kv"),

@@ -67,6 +67,8 @@ class RouterConfig:
             raise ValueError(f"--router must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.events_stale_after_s <= 0:
+            raise ValueError(f"--events-stale-after-s must be positive, got {self.events_stale_after_s}")
 
 
 class Router:

@@ -129,7 +129,11 @@ class EtcdDiscovery:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._client is not None:
-            await self._client.close()
+            try:  # aetcd's watcher shutdown can wait forever on a watch cancelled while it was being made
+                async with asyncio.timeout(timeout_s):
+                    await self._client.close()
+            except TimeoutError:
+                log.debug("etcd client did not close within %.0f s; leaving it to the process exit", timeout_s)
 
     # -- background -----------------------------------------------------------------------
 
