@@ -32,6 +32,7 @@ from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool, n
 from tokenmill.kv.hashing import block_hashes
 from tokenmill.router.decision import RoutingRequest
 from tokenmill.router.disagg import REMOTE, DisaggConfig, DisaggPolicy
+from tokenmill.router.index_view import index_view
 from tokenmill.router.policies import NoWorkerAvailable
 from tokenmill.runtime import protocol as p
 from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
@@ -80,6 +81,13 @@ class DistributedBackend:
 
     def healthy(self) -> bool:
         return bool(self.pool.in_pool(prefill=False))
+
+    def router_index(self, with_hashes: bool) -> dict[str, Any]:
+        """Admin: what each router's KV index holds (`router/index_view.py`), by pool."""
+        routers = {"decode": self.pool.router, "prefill": self.pool.prefill_router}
+        return {pool: {"policy": router.policy, **(index_view(router.indexer, with_hashes)
+                                                     if router.indexer is not None else {})}
+                for pool, router in routers.items() if router.workers or pool == "decode"}
 
     def metrics_snapshot(self) -> dict[str, float]:
         snap: dict[str, float] = {"tokenmill_workers": float(len(self.pool.connections)),

@@ -8,6 +8,10 @@ any conversation that starts with them). Answer: `{"pinned": bool, "num_tokens":
 {worker_id: null | "why not"}}`; `pinned` is true when every worker pinned it. Only full KV
 blocks are pinned.
 
+`GET /admin/router/index[?hashes=true]` shows what each router's KV index holds, per pool, worker
+and tier: block counts and an order-free digest (`router/index_view.py`), the hashes on request;
+404 where no router runs (one embedded engine).
+
 `GET /admin/workers` lists `tokenmill serve`'s workers (`worker_control.py`: name, role, state,
 pid, in-flight requests, started_at, and live replicas counted by role and state); `POST
 /admin/workers` changes them, answering 202 with the records it touched:
@@ -188,6 +192,16 @@ def admin_router(ctx: ServingContext) -> APIRouter:
         decisions = ctx.planner.decisions()
         return JSONResponse({"object": "list", "mode": ctx.planner.deployment.planner.mode,
                              "data": decisions[-int(last):] if int(last) else []})
+
+    @router.get("/admin/router/index")
+    async def router_index(request: Request) -> JSONResponse:
+        view = getattr(ctx.backend, "router_index", None)
+        if view is None:
+            raise APIError(404, "no KV router in this process (it serves one embedded engine)", code="not_found")
+        hashes = request.query_params.get("hashes", "false").lower()
+        if hashes not in ("true", "false"):
+            raise invalid_param("hashes", f"hashes must be true or false, got {hashes!r}")
+        return JSONResponse(view(hashes == "true"))
 
     @router.get("/admin/workers")
     async def list_workers() -> JSONResponse:

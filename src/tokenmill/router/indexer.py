@@ -183,6 +183,18 @@ class KVIndexer:
         found = {tier: self._scan(tier, state.bit) for tier in TIERS}
         return {tier: set(hashes) for tier, hashes in found.items() if hashes}
 
+    def blocks_by_worker(self) -> dict[str, dict[str, list[int]]]:
+        """worker -> tier -> the hashes the index holds for it, in one scan per tier (O(index):
+        for the admin index view and tests, never on a hot path)."""
+        out: dict[str, dict[str, list[int]]] = {name: {} for name in self._workers}
+        owners = [(state.bit, out[name]) for name, state in self._workers.items()]
+        for tier, holders in self._holders.items():
+            for block_hash, mask in holders.items():
+                for bit, tiers in owners:
+                    if mask & bit:
+                        tiers.setdefault(tier, []).append(block_hash)
+        return out
+
     def num_blocks(self) -> int:
         """Index size: (worker, tier, block) entries."""
         return sum(sum(state.counts.values()) for state in self._workers.values())
