@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -173,12 +174,7 @@ class EtcdDiscovery:
             except TimeoutError:
                 pass
             self._wake.clear()
-            client = await self._connect()
-            try:
-                await self._flush(client)
-            except _ERRORS as exc:
-                await self._drop_client(client, exc)
-                await asyncio.sleep(RETRY_S)
+            await self._with_client(self._flush)
 
     async def _flush(self, client: aetcd.Client) -> None:
         if not self._mine and not self._gone:
@@ -205,12 +201,17 @@ class EtcdDiscovery:
 
     async def _watch_loop(self) -> None:
         while True:
-            client = await self._connect()
-            try:
-                await self._sync_and_watch(client)
-            except _ERRORS as exc:
-                await self._drop_client(client, exc)
-                await asyncio.sleep(RETRY_S)
+            await self._with_client(self._sync_and_watch)
+
+    async def _with_client(self, step: Callable[[aetcd.Client], Awaitable[None]]) -> None:
+        """One `step` on the current client; on an etcd error, drop that client and pause, so the
+        caller's next turn connects afresh (to the next endpoint)."""
+        client = await self._connect()
+        try:
+            await step(client)
+        except _ERRORS as exc:
+            await self._drop_client(client, exc)
+            await asyncio.sleep(RETRY_S)
 
     async def _sync_and_watch(self, client: aetcd.Client) -> None:
         """Read the whole prefix, then apply watch events until the next resync."""

@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.runtime.discovery import discovery_from_url
     from tokenmill.worker.mock_profile import resolve_mock_profile, transfer_delay
-    from tokenmill.worker.server import WorkerServer, WorkerSettings
+    from tokenmill.worker.server import WorkerServer
+    from tokenmill.worker.settings import WorkerSettings
 
     name = args.served_model_name or args.model
     try:

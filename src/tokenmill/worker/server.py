@@ -27,7 +27,6 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
@@ -39,6 +38,7 @@ from tokenmill.runtime.discovery import Discovery, WorkerInfo
 from tokenmill.runtime.zmq_reader import SocketReader
 from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
 from tokenmill.worker.kv_publisher import KVEventPublisher
+from tokenmill.worker.settings import WorkerSettings, advertised
 
 if TYPE_CHECKING:  # torch: only prefill/decode workers move KV; nats: only with --event-plane
     from tokenmill.runtime.event_plane import NatsEventPlane
@@ -51,39 +51,6 @@ DRAIN_POLL_S = 0.05
 # after a graceful drain's last request: its final frames leave before the socket closes (LINGER 0)
 DRAIN_FLUSH_S = 0.25
 STATS_WAIT_S = 0.1  # how long a heartbeat waits for the engine thread's fresh stats
-ROLES = ("agg", "prefill", "decode")
-
-
-@dataclass(slots=True)
-class WorkerSettings:
-    worker_id: str
-    address: str  # ipc:// or tcp:// to bind
-    model_name: str
-    role: str = "agg"
-    max_queue: int | None = None  # requests allowed to wait beyond a full running batch
-    parent_pid: int | None = None  # exit when this process (the supervisor) is gone
-    events_address: str | None = None  # where KV events are published (None: not published)
-    drain_timeout_s: float = 10.0  # on stop: how long prefill-only work and held KV may finish
-    advertise_host: str | None = None  # what other hosts dial (bind 0.0.0.0, advertise this host's IP)
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.advertise_host is not None:
-            if not self.advertise_host or any(c in self.advertise_host for c in "/: "):
-                raise ValueError(f"--advertise-host: a host name or IP address, got {self.advertise_host!r}")
-            for flag, address in (("--address", self.address), ("--events-address", self.events_address)):
-                if address is not None and not address.startswith("tcp://"):
-                    raise ValueError(f"--advertise-host needs a tcp:// {flag} (other hosts cannot dial {address})")
-
-
-def advertised(address: str, host: str | None) -> str:
-    """A bound tcp:// address as other hosts must dial it: `host` in place of the bound one."""
-    if host is None:
-        return address
-    return f"tcp://{host}:{address.rsplit(':', 1)[1]}"
-
-
 class WorkerServer:
     def __init__(self, engine: AsyncLLMEngine, settings: WorkerSettings, discovery: Discovery,
                  transfer: KVTransferService | None = None, event_plane: NatsEventPlane | None = None) -> None:
