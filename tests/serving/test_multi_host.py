@@ -17,8 +17,8 @@ import pytest
 from tests.runtime.etcd_server import EtcdServer, registered
 from tests.runtime.nats_server import NatsServer
 from tests.serving.conftest import start_server, stop_server
-from tests.serving.netns import Hosts
 from tests.serving.probes import answers, metric, wait
+from tokenmill.bench.netns import Hosts
 from tokenmill.bench.serve_process import free_port
 from tokenmill.transfer.memory import SHM_DIR, SHM_PREFIX, remove_shared_files_of
 
@@ -55,7 +55,7 @@ def _streamed(base: str, prompt: list[int]) -> str:
     return "".join(text)
 
 
-def _worker(hosts: Hosts, host: int, role: str, name: str, etcd: str, nats: str, model: Path) -> list[str]:
+def worker_argv(hosts: Hosts, host: int, role: str, name: str, etcd: str, nats: str, model: Path) -> list[str]:
     address = hosts.address(host)
     return [*hosts.prefix(host), sys.executable, "-m", "tokenmill.cli", "worker", "--model", str(model),
             "--served-model-name", "tiny", "--role", role, "--worker-id", name, "--address", f"tcp://{address}:0",
@@ -79,7 +79,7 @@ def test_four_hosts_serve_disaggregated_as_one_and_leave_nothing(hosts: Hosts, t
         etcd.start()
         nats.start()
         for host, role, name in ((PREFILL, "prefill", "p0"), (DECODE, "decode", "d0")):
-            processes.append(subprocess.Popen(_worker(hosts, host, role, name, etcd.url, nats.url, tiny_dense),
+            processes.append(subprocess.Popen(worker_argv(hosts, host, role, name, etcd.url, nats.url, tiny_dense),
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         port = free_port()
         processes.append(subprocess.Popen(

@@ -12,6 +12,18 @@ Cases: `contiguous` (consecutive block ids on both sides: one descriptor per lay
 Baselines measured in the same run on the same bytes: `memcpy` (one numpy copy in this process)
 and `raw socket` (a child process `sendall`s the bytes over 127.0.0.1 into a blocking
 `recv_into` loop here). Targets for sizes >= 16 MB: shm >= 0.6x memcpy, tcp >= 0.6x raw socket.
+
+`--netns` (root and iproute2): tcp across hosts, or as near as one machine gets. One network
+namespace on a bridge (`tokenmill.bench.netns.Hosts(1)`); the prefill peer runs inside it, its
+tcp backend bound to and advertising the namespace's address (10.231.<k>.1), and the agent here
+pulls from the root namespace (10.231.<k>.254) across the veth pair and the bridge; the raw
+socket's sender runs in the same namespace, so both figures cross the same veth. Only tcp is
+measured (shm cannot cross hosts); rows carry `netns: true`, the report the route. The children
+enter the namespace with setns(2) (ctypes; Python 3.11 has no os.setns) as their first act,
+before any socket or thread: the spawn + pipe handles stay as they are, whereas launching them
+through `ip netns exec` would need a custom executable for multiprocessing and would put them in
+a mount namespace of their own as well. The namespace and bridge are deleted at the end, on
+errors and Ctrl-C too.
 """
 from __future__ import annotations
 
@@ -19,23 +31,20 @@ import argparse
 import asyncio
 import json
 import logging
-import multiprocessing
 import random
-import socket
 import statistics
-import struct
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tokenmill.bench.transfer_baselines import LOOPBACK, memcpy_gbps, raw_socket_gbps
 
 log = logging.getLogger(__name__)
 
 TARGET_RATIO = 0.6
 TARGET_MIN_MB = 16
 BLOCK_TOKENS = 16
-LENGTH = struct.Struct("<Q")
 
 
 @dataclass(slots=True)
@@ -47,10 +56,37 @@ class TransferRow:
     gbps: float
     baseline: str
     baseline_gbps: float
+    netns: bool = False  # both figures crossed a namespace's veth pair instead of loopback
 
     @property
     def ratio(self) -> float:
         return self.gbps / self.baseline_gbps
+
+    def to_json(self) -> dict[str, Any]:
+        row = {**asdict(self), "ratio": self.ratio}
+        if not self.netns:  # loopback rows keep the shape they always had
+            del row["netns"]
+        return row
+
+
+@dataclass(slots=True)
+class Route:
+    """Where the prefill peer and the raw sender run: `host` is their address, `netns` their namespace."""
+
+    netns: str | None = None
+    host: str = LOOPBACK
+    local_host: str = LOOPBACK  # this side's address on the way to `host`
+
+    @property
+    def backends(self) -> list[str]:
+        return ["tcp"] if self.netns else ["shm", "tcp"]
+
+    def describe(self, peer_metadata: dict[str, Any]) -> dict[str, str] | None:
+        if self.netns is None:
+            return None
+        tcp = peer_metadata["backends"]["tcp"]
+        return {"namespace": self.netns, "peer_tcp": f"{tcp['host']}:{tcp['port']}", "from": self.local_host,
+                "path": "veth pair + bridge"}
 
 
 @dataclass(slots=True)
@@ -59,16 +95,18 @@ class TransferBenchReport:
     block_kb: int
     repeats: int
     rows: list[TransferRow] = field(default_factory=list)
+    netns: dict[str, str] | None = None  # the route, with --netns
 
     def meets_targets(self) -> dict[str, bool]:
         big = [r for r in self.rows if r.size_mb >= TARGET_MIN_MB and r.case == "contiguous"]
+        measured = {r.backend for r in self.rows}
         return {f"{b}_contiguous_at_least_0.6x_{base}": all(r.ratio >= TARGET_RATIO for r in big if r.backend == b)
-                for b, base in (("shm", "memcpy"), ("tcp", "raw_socket"))}
+                for b, base in (("shm", "memcpy"), ("tcp", "raw_socket")) if b in measured}
 
     def to_json(self) -> dict[str, Any]:
-        rows = [{**asdict(r), "ratio": r.ratio} for r in self.rows]
-        return {"layers": self.layers, "block_kb": self.block_kb, "repeats": self.repeats, "rows": rows,
-                "targets": self.meets_targets()}
+        report = {"layers": self.layers, "block_kb": self.block_kb, "repeats": self.repeats,
+                  "rows": [r.to_json() for r in self.rows], "targets": self.meets_targets()}
+        return report if self.netns is None else {**report, "netns": self.netns}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed transfers per figure (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", default=None, help="write the report here")
+    parser.add_argument("--netns", action="store_true",
+                        help="tcp only, peer in a network namespace across a veth pair (needs root and iproute2)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--sizes-mb, --block-kb, --layers and --repeats must be positive")
     if any(s * 1024 % (args.block_kb * 2 * args.layers) for s in sizes):
         raise ValueError("each size must hold a whole number of blocks (block-kb * 2 * layers)")
-    report = asyncio.run(measure(sizes, args))
+    report = _measure_across_netns(sizes, args) if args.netns else asyncio.run(measure(sizes, args, Route()))
+    if report is None:
+        return 2
     render_table(report)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -94,40 +136,66 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def measure(sizes: list[int], args: argparse.Namespace) -> TransferBenchReport:
+def _measure_across_netns(sizes: list[int], args: argparse.Namespace) -> TransferBenchReport | None:
+    """`measure` with the peer in a fresh namespace, deleted however the run ends; None: none could be made."""
+    from tokenmill.bench.netns import Hosts, netns_unavailable
+
+    reason = netns_unavailable()
+    if reason is None:
+        try:
+            hosts = Hosts(1)
+        except RuntimeError as exc:
+            reason = str(exc)
+    if reason is not None:
+        log.error("bench transfer --netns: %s", reason)
+        return None
+    try:
+        return asyncio.run(measure(sizes, args, Route(hosts.names[0], hosts.address(1), hosts.bridge_address)))
+    finally:
+        hosts.close()
+
+
+async def measure(sizes: list[int], args: argparse.Namespace, route: Route) -> TransferBenchReport:
     import torch
 
     from tokenmill.transfer import KVLayout, TransferAgent, allocate_shared_tensor
     from tokenmill.transfer.peer_process import PeerProcess, PeerSpec
 
     block_bytes = args.block_kb * 1024
-    per_block = block_bytes * 2 * args.layers
-    pool_blocks = 2 * max(sizes) * (1 << 20) // per_block  # room for scattered sets
+    pool_blocks = 2 * max(sizes) * (1 << 20) // (block_bytes * 2 * args.layers)  # room for scattered sets
     layout = KVLayout(args.layers, pool_blocks, BLOCK_TOKENS, 1, block_bytes // (BLOCK_TOKENS * 2), "bfloat16")
     report = TransferBenchReport(args.layers, args.block_kb, args.repeats)
     rng = random.Random(args.seed)
     local = allocate_shared_tensor(layout.shape, torch.bfloat16)
     local.tensor.view(torch.uint8).fill_(1)  # fault the pages in, as a live KV pool would be
+    spec = PeerSpec("bench-prefill", layout.total_bytes, route.backends, args.seed, netns=route.netns,
+                    tcp_host=route.host if route.netns else None)
     try:
-        with PeerProcess(PeerSpec("bench-prefill", layout.total_bytes, seed=args.seed)) as peer:
-            async with TransferAgent("bench-decode", ["shm", "tcp"]) as agent:
+        with PeerProcess(spec) as peer:
+            async with TransferAgent("bench-decode", route.backends) as agent:
                 agent.register(local.region("kv"))
                 agent.add_remote(peer.metadata)
+                report.netns = route.describe(peer.metadata)
                 for size_mb in sizes:
-                    memcpy_gbps = _memcpy_gbps(size_mb << 20, args.repeats)
-                    socket_gbps = await asyncio.to_thread(_raw_socket_gbps, size_mb << 20, args.repeats)
-                    baselines = {"shm": ("memcpy", memcpy_gbps), "tcp": ("raw_socket", socket_gbps)}
-                    for case in ("contiguous", "scattered"):
-                        count = (size_mb << 20) // per_block
-                        src_ids, dst_ids = _block_ids(rng, case, count, layout.num_blocks)
-                        for backend in ("shm", "tcp"):
-                            descs, gbps = await _agent_gbps(agent, peer, layout, src_ids, dst_ids, backend,
-                                                            args.repeats)
-                            report.rows.append(TransferRow(size_mb, backend, case, descs, gbps, *baselines[backend]))
-                            log.info("%4d MB %-10s %s: %.2f GB/s", size_mb, case, backend, gbps)
+                    await _measure_size(report, agent, peer, layout, route, rng, size_mb)
     finally:
         local.close()
     return report
+
+
+async def _measure_size(report: TransferBenchReport, agent: Any, peer: Any, layout: Any, route: Route,
+                        rng: random.Random, size_mb: int) -> None:
+    nbytes, repeats = size_mb << 20, report.repeats
+    baselines = {"shm": ("memcpy", memcpy_gbps(nbytes, repeats))} if "shm" in route.backends else {}
+    socket_gbps = await asyncio.to_thread(raw_socket_gbps, nbytes, repeats, route.netns, route.host)
+    baselines["tcp"] = ("raw_socket", socket_gbps)
+    for case in ("contiguous", "scattered"):
+        src_ids, dst_ids = _block_ids(rng, case, nbytes // layout.bytes_per_block, layout.num_blocks)
+        for backend in route.backends:
+            descs, gbps = await _agent_gbps(agent, peer, layout, src_ids, dst_ids, backend, repeats)
+            report.rows.append(TransferRow(size_mb, backend, case, descs, gbps, *baselines[backend],
+                                           netns=route.netns is not None))
+            log.info("%4d MB %-10s %s: %.2f GB/s", size_mb, case, backend, gbps)
 
 
 def _block_ids(rng: random.Random, case: str, count: int, pool_blocks: int) -> tuple[list[int], list[int]]:
@@ -157,68 +225,19 @@ async def _agent_gbps(agent: Any, peer: Any, layout: Any, src_ids: list[int], ds
     return len(coalesce_pairs(src, dst)[0]), total_bytes(src) / statistics.median(samples) / 1e9
 
 
-def _memcpy_gbps(nbytes: int, repeats: int) -> float:
-    import numpy as np
-
-    src, dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
-    np.copyto(dst, src)  # warm: both sides faulted in
-    return nbytes / _median_seconds(lambda: np.copyto(dst, src), repeats) / 1e9
-
-
-def _raw_socket_gbps(nbytes: int, repeats: int) -> float:
-    """Plain sockets, another process: it `sendall`s `nbytes` per 8-byte request."""
-    import numpy as np
-
-    context = multiprocessing.get_context("spawn")
-    ports = context.Queue()
-    sender = context.Process(target=_raw_sender, args=(ports, nbytes), daemon=True)
-    sender.start()
-    try:
-        with socket.create_connection(("127.0.0.1", ports.get(timeout=60))) as sock:
-            view = memoryview(np.zeros(nbytes, dtype=np.uint8)).cast("B")
-
-            def one() -> None:
-                sock.sendall(LENGTH.pack(nbytes))
-                got = 0
-                while got < nbytes:
-                    got += sock.recv_into(view[got:])
-
-            one()  # warm
-            return nbytes / _median_seconds(one, repeats) / 1e9
-    finally:
-        sender.join(30)
-
-
-def _raw_sender(ports: Any, nbytes: int) -> None:
-    payload = memoryview(bytearray(b"\x01" * nbytes))
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        ports.put(server.getsockname()[1])
-        conn, _ = server.accept()
-        with conn:
-            while len(request := conn.recv(LENGTH.size)) == LENGTH.size:
-                conn.sendall(payload[:LENGTH.unpack(request)[0]])
-
-
-def _median_seconds(action: Callable[[], object], repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
-
-
 def render_table(report: TransferBenchReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    route = "" if report.netns is None else (f", {report.netns['from']} -> {report.netns['peer_tcp']} across "
+                                             f"netns {report.netns['namespace']}'s veth pair")
     table = Table(title=f"tokenmill bench transfer — {report.layers} layers, {report.block_kb} KB per block "
-                        f"and layer (K or V), median of {report.repeats}, GB/s = 1e9 B/s")
+                        f"and layer (K or V), median of {report.repeats}, GB/s = 1e9 B/s{route}")
     for column in ("size", "backend", "case", "descriptors", "GB/s", "baseline GB/s", "ratio"):
         table.add_column(column, justify="left" if column in ("backend", "case") else "right")
     for r in report.rows:
-        table.add_row(f"{r.size_mb} MB", r.backend, r.case, f"{r.descriptors:,}", f"{r.gbps:.2f}",
-                      f"{r.baseline.removeprefix('raw_')} {r.baseline_gbps:.2f}", f"{r.ratio:.2f}x")
+        table.add_row(f"{r.size_mb} MB", f"{r.backend} netns" if r.netns else r.backend, r.case, f"{r.descriptors:,}",
+                      f"{r.gbps:.2f}", f"{r.baseline.removeprefix('raw_')} {r.baseline_gbps:.2f}", f"{r.ratio:.2f}x")
     Console().print(table)
     for name, met in report.meets_targets().items():
         Console().print(f"target {name} (sizes >= {TARGET_MIN_MB} MB): {'met' if met else 'MISSED'}")

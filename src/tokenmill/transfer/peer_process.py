@@ -13,6 +13,13 @@ time, as msgpack maps (never pickle):
 
 Measuring a transfer against a peer in another process is what makes shm honest: the bytes come
 out of another process's mapping, not this process's own pages.
+
+`PeerSpec.netns` puts the child on another "host": it enters that network namespace (setns(2),
+`tokenmill.bench.netns.enter_netns`) before its event loop starts, so its tcp server and every
+thread it starts live there; `tcp_host` is the address its tcp backend binds and advertises
+(one of that namespace's). The parent keeps the same spawn + pipe handle either way: `ip netns
+exec` would need its own launcher for multiprocessing and also unshares a mount namespace, which
+setns leaves alone (/dev/shm stays one and the same).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import msgpack
 import numpy as np
 
 from tokenmill.transfer.agent import TransferAgent
+from tokenmill.transfer.backends import Backend, TcpBackend
 from tokenmill.transfer.descriptors import decode_descriptors
 from tokenmill.transfer.memory import MemoryRegion, SharedBuffer
 
@@ -42,6 +50,8 @@ class PeerSpec:
     pool_bytes: int
     backends: list[str] = field(default_factory=lambda: ["shm", "tcp"])
     seed: int = 0
+    netns: str | None = None  # network namespace (under /var/run/netns) the child runs in
+    tcp_host: str | None = None  # the tcp backend's bind and advertised address; None: its default
 
 
 class PeerProcess:
@@ -98,8 +108,23 @@ class PeerProcess:
 
 
 def _child_main(conn: Connection, spec_bytes: bytes) -> None:
+    spec = PeerSpec(**msgpack.unpackb(spec_bytes, raw=False))
+    if spec.netns is not None:
+        from tokenmill.bench.netns import enter_netns
+
+        try:
+            enter_netns(spec.netns)  # before the loop: its executor threads inherit the namespace
+        except OSError as exc:
+            conn.send_bytes(msgpack.packb({"error": str(exc)}))
+            return
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(_serve(conn, PeerSpec(**msgpack.unpackb(spec_bytes, raw=False))))
+    asyncio.run(_serve(conn, spec))
+
+
+def _backends(spec: PeerSpec) -> list[str | Backend]:
+    if spec.tcp_host is None:
+        return list(spec.backends)
+    return [TcpBackend(host=spec.tcp_host) if name == "tcp" else name for name in spec.backends]
 
 
 async def _serve(conn: Connection, spec: PeerSpec) -> None:
@@ -107,7 +132,7 @@ async def _serve(conn: Connection, spec: PeerSpec) -> None:
     try:
         np.frombuffer(shared.view, dtype=np.uint8)[:] = np.frombuffer(
             np.random.default_rng(spec.seed).bytes(spec.pool_bytes), dtype=np.uint8)
-        async with TransferAgent(spec.name, spec.backends) as agent:
+        async with TransferAgent(spec.name, _backends(spec)) as agent:
             agent.register(MemoryRegion(POOL_REGION, "shm", shared.view, shm_name=shared.shm_name))
             conn.send_bytes(msgpack.packb({"metadata": agent.metadata()}, use_bin_type=True))
             await _command_loop(conn, agent, shared)
