@@ -19,6 +19,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "load generator: fixed concurrency, Poisson rate or Mooncake trace replay against an OpenAI server"),
     ("router", "tokenmill.bench.router_bench",
      "KV router hot paths: decisions/s and latency over a 1M-block index, KV events applied/s"),
+    ("events", "tokenmill.bench.events_bench",
+     "KV events from 64 synthetic workers over NATS vs the embedded ZeroMQ path: events/s, p99 event-to-index"),
     ("transfer", "tokenmill.bench.transfer_bench",
      "KV-block transfers over shm and tcp between two processes, next to raw memcpy and socket"),
     ("router-replay", "tokenmill.bench.router_replay",
@@ -45,6 +47,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "each dashboard scenario under each toggle state (off, disaggregation, +KV routing, +managed cache): a table, a PNG"),
     ("frontend", "tokenmill.bench.frontend_bench",
      "serving hot path: wrk against tokenmill serve with instant mock workers: req/s, latency, CPU/1k req, RSS"),
+    ("router-warmup", "tokenmill.bench.router_warmup_bench",
+     "a fresh frontend over mock workers holding 1M cached blocks: seconds to a warm index and KV-aware routing"),
 )
 
 

@@ -58,6 +58,7 @@ class NatsEventPlane:
         self._wanted: dict[str, Callable[[bytes], None]] = {}  # subject -> handler
         self._subscriptions: dict[str, Any] = {}
         self._task: asyncio.Task | None = None
+        self._closing = False
         self.dropped_frames = 0
 
     @property
@@ -68,6 +69,7 @@ class NatsEventPlane:
         self._task = asyncio.create_task(self._connect())
 
     async def close(self) -> None:
+        self._closing = True  # the disconnect that follows is ours, not an outage
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -127,6 +129,8 @@ class NatsEventPlane:
             log.debug("dropped a KV-event frame on %s: %s", subject, exc)
 
     async def _disconnected(self) -> None:
+        if self._closing:
+            return
         log.warning("event plane: NATS connection lost; routing on the last known KV state")
 
     async def _reconnected(self) -> None:
