@@ -55,6 +55,10 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--event-plane", default=None, metavar="nats://HOST:PORT[,HOST:PORT]",
                         help="KV events over NATS (every worker publishes, every frontend subscribes) "
                              "instead of each worker's ZeroMQ socket")
+    parser.add_argument("--no-kv-snapshot-on-join", action="store_true",
+                        help="a cold KV index: do not ask each worker for its cached blocks as it joins; a "
+                             "worker's blocks then arrive with its first KV event (the event-id gap asks for "
+                             "its snapshot), so routing starts blind to what was cached before")
 
 
 def frontend_argv(args: argparse.Namespace) -> list[str]:
@@ -67,6 +71,7 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
             "--local-prefill-limit", str(args.local_prefill_limit),
             "--events-stale-after-s", str(args.events_stale_after_s),
             *(["--event-plane", args.event_plane] if args.event_plane else []),
+            *(["--no-kv-snapshot-on-join"] if getattr(args, "no_kv_snapshot_on_join", False) else []),
             "--reuse-port", *(["--no-access-log"] if args.no_access_log else []),
             *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])]
 
@@ -116,7 +121,8 @@ def make_backend(args: argparse.Namespace, discovery):
 
     # the prefill pool is always routed by KV overlap: that is where prompts are computed
     pool = WorkerPool(discovery, router(router_policy(args)), prefill_router=router("kv"),
-                      event_plane=event_plane(args, "frontend"))
+                      event_plane=event_plane(args, "frontend"),
+                      snapshot_on_join=not getattr(args, "no_kv_snapshot_on_join", False))
     return DistributedBackend(pool, Tokenizer(args.model), model_name(args), limit,
                               default_timeout_s=args.request_timeout_s, disagg=disagg_config(args))
 

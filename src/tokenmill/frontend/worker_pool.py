@@ -5,7 +5,10 @@ A worker is dropped when discovery stops listing it or when nothing (heartbeat o
 tokens) has arrived from it for `heartbeat_timeout_s`; every stream still open on
 it then receives a `LOST` marker, so the request can be migrated. Workers that
 publish KV events get a SUB socket too: events go to the router's index, and a
-gap in event ids triggers a snapshot request answered on the DEALER socket.
+gap in event ids triggers a snapshot request answered on the DEALER socket. A worker met
+mid-life is asked for its snapshot as it joins, unless `snapshot_on_join` is off (a cold start:
+`--no-kv-snapshot-on-join`): its blocks then reach the index only with its first KV event,
+whose id gap asks for the snapshot.
 
 A draining worker (it says so in its heartbeats, or `mark_draining` was told so by the admin
 API) stays connected, so the streams it holds finish, but is no longer offered for new requests
@@ -43,7 +46,7 @@ STARTUP_POLL_S = 0.02
 
 class WorkerConnection:
     def __init__(self, info: WorkerInfo, ctx: zmq.Context, router: Router,
-                 event_plane: NatsEventPlane | None = None) -> None:
+                 event_plane: NatsEventPlane | None = None, snapshot_on_join: bool = True) -> None:
         self.info = info
         self.router = router
         self.socket = ctx.socket(zmq.DEALER)
@@ -68,7 +71,7 @@ class WorkerConnection:
             events.connect(info.metadata["events_address"])
             self._events = SocketReader(events, self._on_events)
         self.send({"type": p.HELLO})
-        if router.indexer is not None and (self._subject or self._events is not None):
+        if snapshot_on_join and router.indexer is not None and (self._subject or self._events is not None):
             # a worker met mid-life: its blocks now, not as its next events trickle in
             self.send({"type": p.KV_SNAPSHOT})
 
@@ -166,8 +169,9 @@ class WorkerConnection:
 class WorkerPool:
     def __init__(self, discovery: Discovery, router: Router, heartbeat_timeout_s: float = 1.5,
                  poll_s: float = 0.2, prefill_router: Router | None = None,
-                 event_plane: NatsEventPlane | None = None) -> None:
+                 event_plane: NatsEventPlane | None = None, snapshot_on_join: bool = True) -> None:
         self.discovery = discovery
+        self.snapshot_on_join = snapshot_on_join
         self.event_plane = event_plane
         self.router = router
         self.prefill_router = prefill_router or Router(router.config)
@@ -245,7 +249,8 @@ class WorkerPool:
                 log.info("worker %s joined at %s", worker_id, info.address)
                 router = self.router_for(info.role)
                 router.add_worker(worker_id)
-                conn = self.connections[worker_id] = WorkerConnection(info, self.ctx, router, self.event_plane)
+                conn = self.connections[worker_id] = WorkerConnection(info, self.ctx, router, self.event_plane,
+                                                                      self.snapshot_on_join)
                 for message in self.join_messages:
                     conn.send(message)
 
