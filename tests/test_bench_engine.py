@@ -64,6 +64,18 @@ def test_output_tokens_equal_the_requested_totals(bench_json: dict, tiny_moe: Pa
     assert hf["generated_tokens"] >= hf["useful_output_tokens"]
 
 
+def test_profile_splits_decode_and_prefill_steps_by_operator_class(tiny_moe: Path, tmp_path: Path) -> None:
+    report = run_engine_bench(tiny_config(tiny_moe, tmp_path / "p.json", skip_hf=True, profile=True))
+    profile = report.profile
+    assert profile is not None and profile["decode"]["steps"] > 0 and profile["prefill"]["steps"] > 0
+    for kind in ("decode", "prefill"):
+        ms = profile[kind]["ms"]
+        assert {"attention", "experts", "dense", "sampling", "scheduling", "engine"} <= ms.keys()
+        assert all(v >= 0 for v in ms.values())
+        assert ms["experts"] > 0 and ms["attention"] > 0 and ms["dense"] > 0 and ms["sampling"] > 0
+    assert report.to_json()["profile"] == profile
+
+
 def test_workload_is_seeded_and_in_range(tiny_moe: Path) -> None:
     cfg = tiny_config(tiny_moe, Path("unused.json"))
     a = make_workload(cfg, 512, frozenset({0, 1, 2}))

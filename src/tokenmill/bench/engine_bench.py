@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenmill.bench.engine_profile import profile_engine, render_profile
 from tokenmill.bench.hf_baseline import run_hf_baseline
 from tokenmill.bench.report import (
     DecodeStepShape, EngineBenchReport, TokenmillResult, WorkloadSummary, decode_floor, render_table,
@@ -48,6 +49,7 @@ class EngineBenchConfig:
     hf_batch_size: int = 16
     skip_hf: bool = False
     hf_max_requests: int | None = None
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -165,6 +167,7 @@ def run_engine_bench(cfg: EngineBenchConfig) -> EngineBenchReport:
     log.info("tokenmill: %d requests, %d prompt and %d output tokens", cfg.num_requests,
              sum(map(len, workload.prompts)), sum(workload.output_lens))
     tokenmill, shapes = run_tokenmill(engine, workload)
+    profile = profile_engine(engine, workload.prompts, workload.output_lens) if cfg.profile else None
     model_cfg = engine.model_config
     del engine  # free its weights and KV cache before transformers loads its copy
     bandwidth = measure_bandwidth_gbps(cfg.threads)
@@ -175,7 +178,7 @@ def run_engine_bench(cfg: EngineBenchConfig) -> EngineBenchReport:
         hf = run_hf_baseline(cfg.model, cfg.dtype, workload.prompts, workload.output_lens,
                              cfg.hf_batch_size, cfg.hf_max_requests)
     ratio = tokenmill.output_tokens_per_s / hf.useful_output_tokens_per_s if hf else None
-    return EngineBenchReport(asdict(cfg), workload.summary(), tokenmill, hf, ratio, floor)
+    return EngineBenchReport(asdict(cfg), workload.summary(), tokenmill, hf, ratio, floor, profile)
 
 
 def _check_fits(cfg: EngineBenchConfig, max_model_len: int) -> None:
@@ -196,6 +199,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     parser.add_argument("--hf-max-requests", type=int, default=None,
                         help="run transformers on the first N requests only (whole batches)")
+    parser.add_argument("--profile", action="store_true",
+                        help="then re-run the first requests with a per-operator breakdown of decode and "
+                             "prefill steps (attention, experts, dense, sampling, scheduling, engine)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -207,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("bench engine: %s", exc)
         return 2
     render_table(report)
+    if report.profile is not None:
+        render_profile(report.profile)
     if cfg.json_path:
         write_json(report, cfg.json_path)
         log.info("wrote %s", cfg.json_path)

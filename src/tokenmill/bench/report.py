@@ -106,6 +106,7 @@ class EngineBenchReport:
     hf: HFResult | None
     ratio: float | None
     floor: FloorResult | None
+    profile: dict[str, Any] | None = None  # --profile: {decode|prefill: {steps, ms: {class: ms/step}}}
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self)}

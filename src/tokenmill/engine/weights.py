@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 from safetensors import SafetensorError, safe_open
 
-from tokenmill.engine.models.layers import prepack_experts
+from tokenmill.engine.models.moe import SparseMoE
+from tokenmill.engine.models.native_linear import NativeLinear
 from tokenmill.engine.models.transformer import CausalLM, RotaryEmbedding
 from tokenmill.textgen.model_config import ModelConfig
 
@@ -83,7 +85,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
     missing = sorted(expected - seen)
     if missing:
         raise CheckpointError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    prepack_experts(model)
+    prepack_weights(model)
     return model.eval()
 
 
@@ -170,3 +172,11 @@ def _layer_destination(rest: str, p: str, params: dict[str, torch.nn.Parameter],
     if rest in fused:
         return params.get(p + fused[rest])
     return params.get(p + rest)
+
+
+def prepack_weights(model: nn.Module) -> None:
+    """Pack every MoE layer's expert weights and every native linear's weight (a no-op where
+    packing does not apply); after the weights are loaded, so that no request pays for it."""
+    for module in model.modules():
+        if isinstance(module, (SparseMoE, NativeLinear)):
+            module.prepack()

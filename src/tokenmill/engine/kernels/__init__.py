@@ -1,6 +1,7 @@
-"""Native CPU kernels, compiled from C at first use and called through ctypes.
+"""Native CPU kernels, compiled from C at first use and called through ctypes: paged decode
+attention (here) and small-M expert/dense matmuls (`grouped_experts.py`).
 
-The shared library is built with the system C compiler into a per-user cache
+Each shared library is built with the system C compiler into a per-user cache
 keyed by the source's hash, so a changed kernel is rebuilt and concurrent
 processes never load a half-written file. If no compiler is available the
 engine falls back to its pure-PyTorch path (`available()` is False).
@@ -21,7 +22,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
 # Not -ffast-math: linking it sets flush-to-zero for the whole process. These allow what
 # vectorises the reductions and expf (the kernel only ever sees finite values).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
@@ -34,10 +34,10 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _build() -> Path:
-    source = _SOURCE.read_bytes()
+def _build(source_path: Path) -> Path:
+    source = source_path.read_bytes()
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{digest}.so"
+    target = _cache_dir() / f"{source_path.stem}-{digest}.so"
     if target.is_file():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -46,22 +46,30 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(partial), "-lm"],
+        subprocess.run([compiler, *_FLAGS, str(source_path), "-o", str(partial), "-lm"],
                        check=True, capture_output=True, text=True)
         os.replace(partial, target)  # atomic: another process sees all of it or nothing
-    log.info("built native attention kernel %s", target)
+    log.info("built native kernel %s", target)
     return target
+
+
+def load_library(source_name: str) -> ctypes.CDLL | None:
+    """The kernels of `source_name` (a .c file beside this one), built on first use; None when
+    disabled (TOKENMILL_DISABLE_KERNELS) or when they cannot be built (the PyTorch path runs)."""
+    if os.environ.get("TOKENMILL_DISABLE_KERNELS"):
+        return None
+    try:
+        return ctypes.CDLL(str(_build(Path(__file__).with_name(source_name))))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("native kernels of %s unavailable, using the PyTorch path: %s", source_name, detail)
+        return None
 
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("TOKENMILL_DISABLE_KERNELS"):
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("native attention kernel unavailable, using the PyTorch path: %s", detail)
+    lib = load_library("paged_attention.c")
+    if lib is None:
         return None
     args = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
     for name in ("paged_decode_attention_bf16", "paged_decode_attention_f32"):

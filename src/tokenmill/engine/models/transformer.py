@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from tokenmill.engine.attention import AttentionBatch, paged_attention, write_kv
-from tokenmill.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary
+from tokenmill.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from tokenmill.engine.models.moe import SparseMoE
+from tokenmill.engine.models.native_linear import NativeLinear
 from tokenmill.textgen.model_config import ModelConfig
 
 
@@ -20,8 +22,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = NativeLinear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = NativeLinear(q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -73,7 +75,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = NativeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
     @torch.inference_mode()

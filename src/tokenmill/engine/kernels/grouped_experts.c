@@ -1,0 +1,187 @@
+/* Small-M matmuls that read each weight once: the experts of a MoE layer (all active experts
+ * in one call) and dense linears at decode batch sizes. Built at first use by
+ * kernels/__init__.py and called through ctypes.
+ *
+ * Why: with 1-16 rows per expert, a bf16 GEMM library call is dominated by per-call work
+ * (weight reorders, small-M tiling) and reads its weights at 3-5 GB/s. Here a weight is
+ * pre-packed once into 16-row panels, so one step streams every active expert's panels
+ * front to back while the rows stay in L1 and every panel is read once per 6 rows.
+ *
+ * Packed layout of a weight W [O, K] (out x in, row-major): P [ceil(O/16)][K][16] with
+ * P[j][k][r] = W[16j + r][k], zero past row O. bf16 weights stay bf16 (widened to fp32 in
+ * registers: a bf16 is the top half of an fp32); rows and accumulation are fp32.
+ *
+ *   tm_linear_{bf16,f32}(x [M, K] f32, P, y [M, O] f32, M, K, O)        y = x W^T
+ *   tm_moe_{bf16,f32}(x [T, H] f32, ids [T, topk] i64, weights [T, topk] f32,
+ *                     P13 [E] x packed [2I, H], P2 [E] x packed [H, I], out [T, H] f32,
+ *                     T, topk, E, H, I)
+ *       out[t] = sum_k weights[t,k] * W2[e] (silu(g) * u),  [g | u] = W13[e] x[t],  e = ids[t,k]
+ * Both return 0, or -1 when scratch memory could not be allocated.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#define PANEL 16
+#define ROWS 6 /* rows sharing one pass over a panel: 12 accumulators + 2 weights + 1 row value */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* acc[r][0..15] = sum_k x[r][k] * panel[k][0..15] for r < nr (nr <= ROWS). Always inlined into
+ * a switch on nr, so that each case has a constant row count and its sums live in registers. */
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 widen_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#define BF16_LO(w) widen_bf16(w)
+#define BF16_HI(w) widen_bf16((w) + 8)
+#define F32_LO(w) _mm256_loadu_ps(w)
+#define F32_HI(w) _mm256_loadu_ps((w) + 8)
+
+#define DEFINE_PANEL(NAME, T, LOAD_LO, LOAD_HI)                                               \
+static inline __attribute__((always_inline)) void NAME##_n(const float *const *x, const int nr, \
+                                                           const T *panel, int K, float acc[ROWS][PANEL]) { \
+    __m256 a0[ROWS], a1[ROWS];                                                               \
+    for (int r = 0; r < nr; r++) a0[r] = a1[r] = _mm256_setzero_ps();                        \
+    for (int k = 0; k < K; k++) {                                                            \
+        const T *w = panel + (size_t)k * PANEL;                                              \
+        const __m256 lo = LOAD_LO(w), hi = LOAD_HI(w);                                       \
+        for (int r = 0; r < nr; r++) {                                                       \
+            const __m256 b = _mm256_broadcast_ss(x[r] + k);                                  \
+            a0[r] = _mm256_fmadd_ps(lo, b, a0[r]);                                           \
+            a1[r] = _mm256_fmadd_ps(hi, b, a1[r]);                                           \
+        }                                                                                    \
+    }                                                                                        \
+    for (int r = 0; r < nr; r++) {                                                           \
+        _mm256_storeu_ps(acc[r], a0[r]);                                                     \
+        _mm256_storeu_ps(acc[r] + 8, a1[r]);                                                 \
+    }                                                                                        \
+}
+#else
+#define DEFINE_PANEL(NAME, T, LOAD_LO, LOAD_HI)                                               \
+static inline void NAME##_n(const float *const *x, const int nr, const T *panel, int K,      \
+                            float acc[ROWS][PANEL]) {                                        \
+    memset(acc, 0, sizeof(float) * ROWS * PANEL);                                            \
+    for (int k = 0; k < K; k++) {                                                            \
+        const T *w = panel + (size_t)k * PANEL;                                              \
+        for (int r = 0; r < nr; r++)                                                         \
+            for (int i = 0; i < PANEL; i++) acc[r][i] += LOAD_LO(w[i]) * x[r][k];            \
+    }                                                                                        \
+}
+#define BF16_LO(v) bf16_to_f32(v)
+#define F32_LO(v) (v)
+#endif
+DEFINE_PANEL(panel_bf16, uint16_t, BF16_LO, BF16_HI)
+DEFINE_PANEL(panel_f32, float, F32_LO, F32_HI)
+
+#define DEFINE_DISPATCH(NAME, T)                                                              \
+static void NAME(const float *const *x, int nr, const T *panel, int K, float acc[ROWS][PANEL]) { \
+    switch (nr) {                                                                            \
+    case 1: NAME##_n(x, 1, panel, K, acc); break;                                            \
+    case 2: NAME##_n(x, 2, panel, K, acc); break;                                            \
+    case 3: NAME##_n(x, 3, panel, K, acc); break;                                            \
+    case 4: NAME##_n(x, 4, panel, K, acc); break;                                            \
+    case 5: NAME##_n(x, 5, panel, K, acc); break;                                            \
+    default: NAME##_n(x, ROWS, panel, K, acc); break;                                        \
+    }                                                                                        \
+}
+DEFINE_DISPATCH(panel_bf16, uint16_t)
+DEFINE_DISPATCH(panel_f32, float)
+
+/* y[r] = x[r] W^T for the nr rows x[0..nr): every panel once per ROWS rows. */
+#define DEFINE_ROWS(NAME, T, PANEL_FN)                                                        \
+static void NAME(const float *const *x, float *const *y, int nr, const T *packed, int K, int O) { \
+    float acc[ROWS][PANEL];                                                                  \
+    const int panels = (O + PANEL - 1) / PANEL;                                              \
+    for (int j = 0; j < panels; j++) {                                                       \
+        const T *panel = packed + (size_t)j * K * PANEL;                                     \
+        const int width = O - j * PANEL < PANEL ? O - j * PANEL : PANEL;                     \
+        for (int r0 = 0; r0 < nr; r0 += ROWS) {                                              \
+            const int n = nr - r0 < ROWS ? nr - r0 : ROWS;                                   \
+            PANEL_FN(x + r0, n, panel, K, acc);                                              \
+            for (int r = 0; r < n; r++) memcpy(y[r0 + r] + j * PANEL, acc[r], sizeof(float) * width); \
+        }                                                                                    \
+    }                                                                                        \
+}
+DEFINE_ROWS(rows_bf16, uint16_t, panel_bf16)
+DEFINE_ROWS(rows_f32, float, panel_f32)
+
+#define DEFINE_LINEAR(NAME, T, ROWS_FN)                                                       \
+int NAME(const float *x, const T *packed, float *y, int M, int K, int O) {                   \
+    const float **xr = malloc(sizeof(float *) * (M ? M : 1));                                \
+    float **yr = malloc(sizeof(float *) * (M ? M : 1));                                      \
+    if (!xr || !yr) { free(xr); free(yr); return -1; }                                       \
+    for (int m = 0; m < M; m++) { xr[m] = x + (size_t)m * K; yr[m] = y + (size_t)m * O; }     \
+    ROWS_FN(xr, yr, M, packed, K, O);                                                        \
+    free(xr); free(yr);                                                                      \
+    return 0;                                                                                \
+}
+DEFINE_LINEAR(tm_linear_bf16, uint16_t, rows_bf16)
+DEFINE_LINEAR(tm_linear_f32, float, rows_f32)
+
+/* Clamped: exp(-g) overflows below g = -88, and the build assumes finite math. */
+static inline float silu(float g) { return g < -80.f ? 0.f : g / (1.f + expf(-g)); }
+
+/* Assignments (t, k) grouped by expert, in token order within an expert: order[start[e]..start[e+1]). */
+static void group_by_expert(const int64_t *ids, int A, int E, int *start, int *order) {
+    memset(start, 0, sizeof(int) * (E + 1));
+    for (int a = 0; a < A; a++) start[ids[a] + 1]++;
+    for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    int *fill = malloc(sizeof(int) * E);
+    memcpy(fill, start, sizeof(int) * E);
+    for (int a = 0; a < A; a++) order[fill[ids[a]]++] = a;
+    free(fill);
+}
+
+#define DEFINE_MOE(NAME, T, ROWS_FN)                                                          \
+int NAME(const float *x, const int64_t *ids, const float *weights, const T *p13, const T *p2, \
+         float *out, int Tn, int topk, int E, int H, int I) {                                 \
+    const int A = Tn * topk;                                                                  \
+    const size_t s13 = (size_t)((2 * I + PANEL - 1) / PANEL) * H * PANEL;                    \
+    const size_t s2 = (size_t)((H + PANEL - 1) / PANEL) * I * PANEL;                         \
+    int *start = malloc(sizeof(int) * (E + 1)), *order = malloc(sizeof(int) * (A ? A : 1));  \
+    float *gu = malloc(sizeof(float) * (size_t)(A ? A : 1) * 2 * I);                         \
+    float *h = malloc(sizeof(float) * (size_t)(A ? A : 1) * I);                              \
+    float *yd = malloc(sizeof(float) * (size_t)(A ? A : 1) * H);                             \
+    const float **xr = malloc(sizeof(float *) * (A ? A : 1));                                \
+    float **gr = malloc(sizeof(float *) * (A ? A : 1)), **yr = malloc(sizeof(float *) * (A ? A : 1)); \
+    const float **hr = malloc(sizeof(float *) * (A ? A : 1));                                \
+    int rc = -1;                                                                             \
+    if (!start || !order || !gu || !h || !yd || !xr || !gr || !yr || !hr) goto done;         \
+    for (int a = 0; a < A; a++) if (ids[a] < 0 || ids[a] >= E) { rc = -2; goto done; }       \
+    group_by_expert(ids, A, E, start, order);                                                \
+    for (int i = 0; i < A; i++) {                                                            \
+        xr[i] = x + (size_t)(order[i] / topk) * H;                                           \
+        gr[i] = gu + (size_t)i * 2 * I; hr[i] = h + (size_t)i * I; yr[i] = yd + (size_t)i * H; \
+    }                                                                                        \
+    for (int e = 0; e < E; e++) {                                                            \
+        const int n = start[e + 1] - start[e];                                               \
+        if (!n) continue;                                                                    \
+        ROWS_FN(xr + start[e], gr + start[e], n, p13 + e * s13, H, 2 * I);                   \
+        for (int i = start[e]; i < start[e + 1]; i++)                                        \
+            for (int c = 0; c < I; c++) h[(size_t)i * I + c] = silu(gr[i][c]) * gr[i][I + c]; \
+        ROWS_FN(hr + start[e], yr + start[e], n, p2 + e * s2, I, H);                         \
+    }                                                                                        \
+    memset(out, 0, sizeof(float) * (size_t)Tn * H);                                          \
+    for (int i = 0; i < A; i++) {                                                            \
+        const float w = weights[order[i]];                                                   \
+        float *o = out + (size_t)(order[i] / topk) * H;                                      \
+        for (int c = 0; c < H; c++) o[c] += w * yr[i][c];                                    \
+    }                                                                                        \
+    rc = 0;                                                                                  \
+done:                                                                                        \
+    free(start); free(order); free(gu); free(h); free(yd);                                   \
+    free(xr); free(gr); free(yr); free(hr);                                                  \
+    return rc;                                                                               \
+}
+DEFINE_MOE(tm_moe_bf16, uint16_t, rows_bf16)
+DEFINE_MOE(tm_moe_f32, float, rows_f32)

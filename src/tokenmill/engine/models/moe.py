@@ -1,0 +1,111 @@
+"""The sparse MoE MLP (Qwen3-MoE): a top-k softmax router, then each token through its experts.
+
+The experts run on one of three paths, chosen per call:
+- **native** (`kernels/grouped_experts.py`): every active expert of the layer in one C call,
+  each expert's weights read once per step. Used for small batches (decode), where library
+  GEMMs spend most of their time per call rather than per byte, and for every batch on CPUs
+  without native bf16 matmuls, where it is also the faster compute path (`use_native`).
+- **oneDNN-packed** (`kernels/packed_linear.py`): bf16 on CPUs with native bf16, large batches.
+- **plain** `F.linear` per expert: everything else (autograd, other devices, no kernels).
+All three compute the same function; the native path keeps its sums in fp32 throughout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.engine.kernels import grouped_experts
+from tokenmill.engine.kernels.packed_linear import PackedLinear, bf16_packing_available, pack_experts
+from tokenmill.textgen.model_config import MoEConfig
+
+class SparseMoE(nn.Module):
+    """Top-k softmax router; each expert runs only on the tokens routed to it."""
+
+    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.num_experts, self.intermediate = moe.num_experts, moe.intermediate_size
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.w_gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden))
+        self.w_down = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.intermediate_size))
+        self._packed: tuple[list[PackedLinear], list[PackedLinear]] | None = None
+        self._panels: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None
+
+    def prepack(self) -> None:
+        """Pack the expert weights now, once they are loaded: packed lazily, the first forward
+        would carry the cost (~80 ms a layer on small-moe) into some request's latency."""
+        self._packed = self._pack()
+        self._panels = self._pack_panels()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        panels = self._native_panels(x)
+        if panels is not None:
+            out = grouped_experts.moe_experts(x, experts, weights, panels[0], panels[1], self.intermediate)
+            return out.to(x.dtype)
+        return self._per_expert(x, experts, weights.to(x.dtype))
+
+    def _per_expert(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Tokens sorted by expert, one dense GEMM per expert on its contiguous slice, then
+        scattered back weighted by the router."""
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // self.top_k
+        xs = x.index_select(0, token_of)
+        outs = torch.empty_like(xs)
+        packed = self._packed_experts(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = xs[start:start + n]
+                if packed is None:
+                    gate, up = F.linear(rows, self.w_gate_up[e]).chunk(2, dim=-1)
+                    outs[start:start + n] = F.linear(F.silu(gate) * up, self.w_down[e])
+                else:
+                    gate, up = packed[0][e](rows).chunk(2, dim=-1)
+                    outs[start:start + n] = packed[1][e](F.silu(gate) * up)
+                start += n
+        outs = outs * weights.flatten()[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, token_of, outs)
+
+    # ---- packed copies of the expert weights -----------------------------------------------
+
+    def _versions(self) -> tuple[int, int]:
+        return self.w_gate_up._version, self.w_down._version
+
+    def _pack_panels(self) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+        if self.w_gate_up.device.type != "cpu" or not grouped_experts.available(self.w_gate_up.dtype):
+            return None
+        with torch.no_grad():
+            return (grouped_experts.pack_panels(self.w_gate_up), grouped_experts.pack_panels(self.w_down),
+                    self._versions())
+
+    def _native_panels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+        """The panels when the native path applies to this call (repacked if the weights changed)."""
+        if not grouped_experts.use_native(x, self.w_gate_up.dtype, x.shape[0]):
+            return None
+        if self._panels is None or self._panels[2] != self._versions():
+            self._panels = self._pack_panels()
+        return self._panels
+
+    def _pack(self) -> tuple[list[PackedLinear], list[PackedLinear]] | None:
+        gate_up, down = pack_experts(self.w_gate_up), pack_experts(self.w_down)
+        return (gate_up, down) if gate_up and down else None
+
+    def _packed_experts(self, x: torch.Tensor) -> tuple[list[PackedLinear], list[PackedLinear]] | None:
+        """Expert weights packed once for oneDNN (bf16 CPU inference only): with few rows per
+        expert, re-packing them on every call is most of the MoE's time (kernels/packed_linear.py).
+        Repacked when the weights change; None where packing does not apply."""
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() \
+                or not bf16_packing_available():
+            return None
+        packed = self._packed
+        if packed is None or packed[0][0].stale(self.w_gate_up[0]) or packed[1][0].stale(self.w_down[0]):
+            packed = self._packed = self._pack()
+        return packed
+
