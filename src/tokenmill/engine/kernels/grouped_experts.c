@@ -132,14 +132,16 @@ DEFINE_LINEAR(tm_linear_f32, float, rows_f32)
 static inline float silu(float g) { return g < -80.f ? 0.f : g / (1.f + expf(-g)); }
 
 /* Assignments (t, k) grouped by expert, in token order within an expert: order[start[e]..start[e+1]). */
-static void group_by_expert(const int64_t *ids, int A, int E, int *start, int *order) {
+static int group_by_expert(const int64_t *ids, int A, int E, int *start, int *order) {
+    int *fill = malloc(sizeof(int) * (E ? E : 1));
+    if (!fill) return -1;
     memset(start, 0, sizeof(int) * (E + 1));
     for (int a = 0; a < A; a++) start[ids[a] + 1]++;
     for (int e = 0; e < E; e++) start[e + 1] += start[e];
-    int *fill = malloc(sizeof(int) * E);
     memcpy(fill, start, sizeof(int) * E);
     for (int a = 0; a < A; a++) order[fill[ids[a]]++] = a;
     free(fill);
+    return 0;
 }
 
 #define DEFINE_MOE(NAME, T, ROWS_FN)                                                          \
@@ -158,7 +160,7 @@ int NAME(const float *x, const int64_t *ids, const float *weights, const T *p13,
     int rc = -1;                                                                             \
     if (!start || !order || !gu || !h || !yd || !xr || !gr || !yr || !hr) goto done;         \
     for (int a = 0; a < A; a++) if (ids[a] < 0 || ids[a] >= E) { rc = -2; goto done; }       \
-    group_by_expert(ids, A, E, start, order);                                                \
+    if (group_by_expert(ids, A, E, start, order)) goto done;                                 \
     for (int i = 0; i < A; i++) {                                                            \
         xr[i] = x + (size_t)(order[i] / topk) * H;                                           \
         gr[i] = gu + (size_t)i * 2 * I; hr[i] = h + (size_t)i * I; yr[i] = yd + (size_t)i * H; \
