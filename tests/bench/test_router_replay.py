@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench.live_processes import live_pids
 from tokenmill.bench.router_replay import PolicyResult, reusable_fraction
 from tokenmill.cli import main
 
@@ -36,15 +37,7 @@ def _replay(tiny_dense: Path, tmp_path: Path, *extra: str) -> tuple[int, dict]:
 
 def _our_processes(model: Path) -> set[int]:
     """Live pids of servers and workers a replay over `model` started (their argv names both)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
-        except OSError:
-            continue  # exited meanwhile
-        if b"router-replay" in argv and str(model).encode() in argv:
-            pids.add(int(entry.name))
-    return pids
+    return live_pids(lambda argv: any(b"router-replay" in a for a in argv) and str(model).encode() in b" ".join(argv))
 
 
 def test_kv_computes_no_more_prefill_than_round_robin(tiny_dense: Path, tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ option's empty start), never its timings."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench.live_processes import live_pids
 from tokenmill.bench.router_warmup_probe import WarmupRun
 from tokenmill.cli import main
 
@@ -20,16 +20,8 @@ BLOCKS = 4000  # 2 workers x 125 prompts x 16 blocks: the fill lands on whole pr
 
 
 def _bench_processes() -> set[int]:
-    """Live pids whose argv names the bench's served model (serve, its workers, measured frontends)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
-        except OSError:
-            continue  # exited meanwhile
-        if b"router-warmup" in argv.split(b"\0") and int(entry.name) != os.getpid():
-            pids.add(int(entry.name))
-    return pids
+    """Live pids whose argv names the bench (serve, its workers, measured frontends)."""
+    return live_pids(lambda argv: b"router-warmup" in argv)
 
 
 @pytest.fixture

@@ -8,10 +8,23 @@ import torch
 from tokenmill.engine.attention import AttentionBatch, SeqSpan
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.models.moe import SparseMoE
 from tokenmill.engine.runner import TorchModelRunner
+from tokenmill.textgen.model_config import MoEConfig
 from tokenmill.textgen.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+
+def seeded_moe(dtype: torch.dtype, seed: int = 0) -> SparseMoE:
+    """A 64-wide MoE layer (8 experts, top-2, 96 intermediate) with small seeded weights."""
+    g = torch.Generator().manual_seed(seed)
+    moe = SparseMoE(64, MoEConfig(num_experts=8, top_k=2, intermediate_size=96, norm_topk_prob=True,
+                                  sparse_layers=frozenset({0})))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return moe.to(dtype)
 
 
 def make_engine(model: Path, **overrides) -> LLMEngine:

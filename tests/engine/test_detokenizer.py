@@ -1,7 +1,8 @@
 """Incremental detokenization never splits a multi-byte character."""
 from pathlib import Path
 
-from tokenmill.textgen.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.textgen.detokenizer import IncrementalDetokenizer
+from tokenmill.textgen.tokenizer import Tokenizer
 
 TEXT = "Anne said: héllo wörld — 世界 🙂🎉 naïve café"
 

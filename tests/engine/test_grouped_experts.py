@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.engine.helpers import seeded_moe
 from tokenmill.engine.kernels import grouped_experts
 from tokenmill.engine.models.moe import SparseMoE
 from tokenmill.engine.models.native_linear import NativeLinear
-from tokenmill.textgen.model_config import MoEConfig
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -85,13 +85,7 @@ def test_bad_expert_ids_and_shapes_are_refused() -> None:
 
 
 def _layer(dtype: torch.dtype, seed: int = 0) -> SparseMoE:
-    g = torch.Generator().manual_seed(seed)
-    moe = SparseMoE(64, MoEConfig(num_experts=8, top_k=2, intermediate_size=96, norm_topk_prob=True,
-                                  sparse_layers=frozenset({0})))
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    moe = moe.to(dtype)
+    moe = seeded_moe(dtype, seed)
     moe.prepack()
     return moe
 

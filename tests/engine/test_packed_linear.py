@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.engine.helpers import seeded_moe
 from tokenmill.engine.kernels.packed_linear import PackedLinear, bf16_packing_available, pack_experts
 from tokenmill.engine.models import moe as layers
 from tokenmill.engine.models.moe import SparseMoE
 from tokenmill.engine.weights import prepack_weights
-from tokenmill.textgen.model_config import MoEConfig
 
 # Packing runs only where oneDNN has native bf16 (AVX-512 BF16 or AMX). Elsewhere each test checks
 # the other half of the contract: nothing is packed and the layer keeps its other paths.
@@ -25,13 +25,7 @@ def _without_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _moe(seed: int = 0) -> SparseMoE:
-    g = torch.Generator().manual_seed(seed)
-    moe = SparseMoE(64, MoEConfig(num_experts=8, top_k=2, intermediate_size=96, norm_topk_prob=True,
-                                  sparse_layers=frozenset({0})))
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return moe.to(torch.bfloat16)
+    return seeded_moe(torch.bfloat16, seed)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 18, 100])

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenmill.bench.netns import Hosts
 from tokenmill.bench.serve_process import ServeProcess as Server
 from tokenmill.bench.serve_process import start_serve, stop
 
@@ -29,3 +30,11 @@ def two_worker_server(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory
         yield server
     finally:
         stop_server(server)
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    """Four network namespaces on a bridge, for the multi-host tests (tests/serving/multi_host.py)."""
+    made = Hosts(4)
+    yield made
+    made.close()

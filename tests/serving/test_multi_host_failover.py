@@ -10,22 +10,20 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from tests.runtime.etcd_server import EtcdServer, registered
-from tests.runtime.nats_server import NatsServer
+from tests.runtime.etcd_server import registered
+from tests.serving.multi_host import fleet
 from tests.serving.probes import answers, metric, wait
-from tests.serving.test_multi_host import hosts, worker_argv  # noqa: F401 (hosts is a fixture)
 from tests.serving.test_serve import _reference
 from tokenmill.bench.netns import Hosts
 from tokenmill.bench.serve_process import free_port
-from tokenmill.transfer.memory import SHM_DIR, SHM_PREFIX, remove_shared_files_of
+from tokenmill.transfer.memory import remove_shared_files_of
 
-FRONTEND, HOST_A, HOST_B, INFRA = 1, 2, 3, 4
+FRONTEND, HOST_A, HOST_B = 1, 2, 3
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 LONG = 1500  # tokens: the stream is still running when its worker is killed
 
@@ -65,65 +63,35 @@ def _complete(base: str) -> str:
     return reply.json()["choices"][0]["text"]
 
 
-def test_a_killed_host_migrates_its_stream_and_etcd_can_go_away(hosts: Hosts, tiny_dense: Path,  # noqa: F811
+def test_a_killed_host_migrates_its_stream_and_etcd_can_go_away(hosts: Hosts, tiny_dense: Path,
                                                                   tmp_path: Path) -> None:
     undisturbed, short = _reference(tiny_dense, PROMPT, LONG), _reference(tiny_dense, PROMPT, 8)
-    infra = hosts.address(INFRA)
-    etcd = EtcdServer(tmp_path, infra, hosts.prefix(INFRA))
-    nats = NatsServer(infra, hosts.prefix(INFRA))
-    workers: dict[str, subprocess.Popen[bytes]] = {}
-    processes: list[subprocess.Popen[bytes]] = []
-
-    def start_worker(host: int, name: str) -> None:
-        workers[name] = subprocess.Popen(worker_argv(hosts, host, "agg", name, etcd.url, nats.url, tiny_dense),
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        processes.append(workers[name])
-
-    try:
-        etcd.start()
-        nats.start()
-        start_worker(HOST_A, "a0")
-        start_worker(HOST_B, "b0")
-        port = free_port()
-        processes.append(subprocess.Popen(
-            [*hosts.prefix(FRONTEND), sys.executable, "-m", "tokenmill.cli", "frontend", "--model", str(tiny_dense),
-             "--served-model-name", "tiny", "--discovery", etcd.url, "--event-plane", nats.url,
-             "--host", hosts.address(FRONTEND), "--port", str(port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        base = f"http://{hosts.address(FRONTEND)}:{port}"
+    with fleet(hosts, tiny_dense, tmp_path) as f:
+        workers = {name: f.start_worker(host, "agg", name) for host, name in ((HOST_A, "a0"), (HOST_B, "b0"))}
+        base = f.start_frontend(FRONTEND, free_port())
         wait(lambda: answers(base) and metric(base, "tokenmill_workers") == 2, "both workers", timeout_s=180)
 
         text, killed = _stream_killing_its_worker(base, workers)
         assert text == undisturbed  # no seam: the survivor took the stream over from its tokens so far
         assert metric(base, "tokenmill_request_migrations_total") >= 1
         survivor = "b0" if killed == "a0" else "a0"
-        wait(lambda: sorted(registered(etcd.url)) == [survivor], "the killed worker's lease to end", timeout_s=30)
+        wait(lambda: sorted(registered(f.etcd.url)) == [survivor], "the killed worker's lease to end", timeout_s=30)
         wait(lambda: metric(base, "tokenmill_workers") == 1, "the frontend to drop it")
         remove_shared_files_of(workers[killed].pid)  # what a supervisor does for a SIGKILLed worker
 
-        etcd.stop()  # membership is gone for a while: the frontend serves on the last set it knew
+        f.etcd.stop()  # membership is gone for a while: the frontend serves on the last set it knew
         assert _complete(base) == short
         assert metric(base, "tokenmill_workers") == 1
-        etcd.restart(fresh=True)  # back, with its data lost: the survivor writes itself back
-        wait(lambda: sorted(registered(etcd.url)) == [survivor], "the survivor to register again", timeout_s=60)
-        start_worker(HOST_A if killed == "a0" else HOST_B, "c0")  # and a newcomer is found through it
+        f.etcd.restart(fresh=True)  # back, with its data lost: the survivor writes itself back
+        wait(lambda: sorted(registered(f.etcd.url)) == [survivor], "the survivor to register again", timeout_s=60)
+        f.start_worker(HOST_A if killed == "a0" else HOST_B, "agg", "c0")  # and a newcomer is found through it
         wait(lambda: metric(base, "tokenmill_workers") == 2, "the frontend to find the new worker", timeout_s=180)
-        assert sorted(registered(etcd.url)) == sorted([survivor, "c0"])
+        assert sorted(registered(f.etcd.url)) == sorted([survivor, "c0"])
         assert _complete(base) == short
 
-        for process in processes:
+        for process in f.processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        for process in processes:
+        for process in f.processes:
             if process is not workers[killed]:
                 assert process.wait(timeout=60) in (0, 128 + signal.SIGTERM)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=10)
-        nats.stop()
-        etcd.stop()
-    hosts.close()
-    wait(lambda: hosts.leftovers() == [], "the namespaces and their links to go", timeout_s=30)
-    assert not [p for process in processes for p in SHM_DIR.glob(f"{SHM_PREFIX}{process.pid}-*")]

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from tokenmill.engine.request import Request
 from tokenmill.textgen.outputs import FINISH_LENGTH, FINISH_STOP
-from tokenmill.textgen.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.textgen.detokenizer import IncrementalDetokenizer
+from tokenmill.textgen.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

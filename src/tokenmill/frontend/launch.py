@@ -71,7 +71,7 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
             "--local-prefill-limit", str(args.local_prefill_limit),
             "--events-stale-after-s", str(args.events_stale_after_s),
             *(["--event-plane", args.event_plane] if args.event_plane else []),
-            *(["--no-kv-snapshot-on-join"] if getattr(args, "no_kv_snapshot_on_join", False) else []),
+            *(["--no-kv-snapshot-on-join"] if args.no_kv_snapshot_on_join else []),
             "--reuse-port", *(["--no-access-log"] if args.no_access_log else []),
             *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])]
 
@@ -122,7 +122,7 @@ def make_backend(args: argparse.Namespace, discovery):
     # the prefill pool is always routed by KV overlap: that is where prompts are computed
     pool = WorkerPool(discovery, router(router_policy(args)), prefill_router=router("kv"),
                       event_plane=event_plane(args, "frontend"),
-                      snapshot_on_join=not getattr(args, "no_kv_snapshot_on_join", False))
+                      snapshot_on_join=not args.no_kv_snapshot_on_join)
     return DistributedBackend(pool, Tokenizer(args.model), model_name(args), limit,
                               default_timeout_s=args.request_timeout_s, disagg=disagg_config(args))
 

@@ -28,64 +28,53 @@ static inline void prefetch_block(const void *p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 0);
 }
 
+/* One sequence: qf [H, D] (scaled, fp32), its block table, `scores` [H, len] scratch, out [H, D]. */
+#define SEQ_ARGS(T) const float *qf, const T *k, const T *v, const int64_t *table, int64_t len, \
+                    float *scores, float *ob, int H, int KVH, int D, int BS
+
 #define DEFINE_KERNEL(NAME, T, LOAD)                                                          \
-static int NAME(const T *q, const T *k, const T *v, const int64_t *block_tables,                     \
-         const int64_t *context_lens, float *out, int B, int H, int KVH, int D, int BS,       \
-         int max_blocks, float scale) {                                                      \
+static void NAME(SEQ_ARGS(T)) {                                                               \
     const int group = H / KVH;                                                                \
-    float *qf = malloc(sizeof(float) * H * D);                                                \
-    if (!qf) return -1;                                                                       \
-    for (int b = 0; b < B; b++) {                                                             \
-        const int64_t len = context_lens[b];                                                  \
-        const int64_t *table = block_tables + (int64_t)b * max_blocks;                        \
-        float *scores = malloc(sizeof(float) * H * (len > 0 ? len : 1));                      \
-        if (!scores) { free(qf); return -1; }                                                 \
-        for (int i = 0; i < H * D; i++) qf[i] = LOAD(q[(int64_t)b * H * D + i]) * scale;      \
-        for (int64_t t = 0; t < len; t++) {                                                   \
-            const T *krow = k + (table[t / BS] * BS + t % BS) * (int64_t)KVH * D;             \
-            if (t % BS == 0 && t + BS < len)                                                  \
-                prefetch_block(k + table[t / BS + 1] * BS * (int64_t)KVH * D,                 \
-                               BS * KVH * D * sizeof(T));                                     \
-            for (int kh = 0; kh < KVH; kh++) {                                                \
-                float kf[256];                                                                \
-                for (int d = 0; d < D; d++) kf[d] = LOAD(krow[kh * D + d]);                   \
-                for (int g = 0; g < group; g++) {                                             \
-                    const int h = kh * group + g;                                             \
-                    const float *qh = qf + h * D;                                             \
-                    float s = 0.f;                                                            \
-                    for (int d = 0; d < D; d++) s += qh[d] * kf[d];                           \
-                    scores[h * len + t] = s;                                                  \
-                }                                                                             \
+    for (int64_t t = 0; t < len; t++) {                                                       \
+        const T *krow = k + (table[t / BS] * BS + t % BS) * (int64_t)KVH * D;                 \
+        if (t % BS == 0 && t + BS < len)                                                      \
+            prefetch_block(k + table[t / BS + 1] * BS * (int64_t)KVH * D,                     \
+                           BS * KVH * D * sizeof(T));                                         \
+        for (int kh = 0; kh < KVH; kh++) {                                                    \
+            float kf[256];                                                                    \
+            for (int d = 0; d < D; d++) kf[d] = LOAD(krow[kh * D + d]);                       \
+            for (int g = 0; g < group; g++) {                                                 \
+                const int h = kh * group + g;                                                 \
+                const float *qh = qf + h * D;                                                 \
+                float s = 0.f;                                                                \
+                for (int d = 0; d < D; d++) s += qh[d] * kf[d];                               \
+                scores[h * len + t] = s;                                                      \
             }                                                                                 \
         }                                                                                     \
-        for (int h = 0; h < H; h++) {                                                         \
-            float *sh = scores + h * len, m = -FLT_MAX, sum = 0.f;                            \
-            for (int64_t t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;                      \
-            for (int64_t t = 0; t < len; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }      \
-            for (int64_t t = 0; t < len; t++) sh[t] /= sum;                                   \
-        }                                                                                     \
-        float *ob = out + (int64_t)b * H * D;                                                 \
-        memset(ob, 0, sizeof(float) * H * D);                                                 \
-        for (int64_t t = 0; t < len; t++) {                                                   \
-            const T *vrow = v + (table[t / BS] * BS + t % BS) * (int64_t)KVH * D;             \
-            if (t % BS == 0 && t + BS < len)                                                  \
-                prefetch_block(v + table[t / BS + 1] * BS * (int64_t)KVH * D,                 \
-                               BS * KVH * D * sizeof(T));                                     \
-            for (int kh = 0; kh < KVH; kh++) {                                                \
-                float vf[256];                                                    \
-                for (int d = 0; d < D; d++) vf[d] = LOAD(vrow[kh * D + d]);                   \
-                for (int g = 0; g < group; g++) {                                             \
-                    const int h = kh * group + g;                                             \
-                    const float p = scores[h * len + t];                                      \
-                    float *oh = ob + h * D;                                                   \
-                    for (int d = 0; d < D; d++) oh[d] += p * vf[d];                           \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
-        free(scores);                                                                         \
     }                                                                                         \
-    free(qf);                                                                                 \
-    return 0;                                                                                 \
+    for (int h = 0; h < H; h++) {                                                             \
+        float *sh = scores + h * len, m = -FLT_MAX, sum = 0.f;                                \
+        for (int64_t t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;                          \
+        for (int64_t t = 0; t < len; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }          \
+        for (int64_t t = 0; t < len; t++) sh[t] /= sum;                                       \
+    }                                                                                         \
+    memset(ob, 0, sizeof(float) * H * D);                                                     \
+    for (int64_t t = 0; t < len; t++) {                                                       \
+        const T *vrow = v + (table[t / BS] * BS + t % BS) * (int64_t)KVH * D;                 \
+        if (t % BS == 0 && t + BS < len)                                                      \
+            prefetch_block(v + table[t / BS + 1] * BS * (int64_t)KVH * D,                     \
+                           BS * KVH * D * sizeof(T));                                         \
+        for (int kh = 0; kh < KVH; kh++) {                                                    \
+            float vf[256];                                                                    \
+            for (int d = 0; d < D; d++) vf[d] = LOAD(vrow[kh * D + d]);                       \
+            for (int g = 0; g < group; g++) {                                                 \
+                const int h = kh * group + g;                                                 \
+                const float p = scores[h * len + t];                                          \
+                float *oh = ob + h * D;                                                       \
+                for (int d = 0; d < D; d++) oh[d] += p * vf[d];                               \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
 }
 
 #define LOAD_F32(x) (x)
@@ -213,19 +202,10 @@ static void NAME##_pv(const T *v, const int64_t *table, int BS, int64_t row, int
     default: NAME##_pv_n(v, table, BS, row, len, col, p, pstride, 2, 4, out, D); break;       \
     }                                                                                         \
 }                                                                                             \
-static int NAME(const T *q, const T *k, const T *v, const int64_t *block_tables,              \
-                const int64_t *context_lens, float *out, int B, int H, int KVH, int D, int BS, \
-                int max_blocks, float scale) {                                               \
+static void NAME(SEQ_ARGS(T)) {                                                               \
     const int group = H / KVH;                                                                \
     const int64_t row = (int64_t)KVH * D;                                                     \
-    float *qf = malloc(sizeof(float) * H * D);                                                \
-    if (!qf) return -1;                                                                       \
-    for (int b = 0; b < B; b++) {                                                             \
-        const int64_t len = context_lens[b];                                                  \
-        const int64_t *table = block_tables + (int64_t)b * max_blocks;                        \
-        float *scores = malloc(sizeof(float) * H * (len > 0 ? len : 1));                      \
-        if (!scores) { free(qf); return -1; }                                                 \
-        for (int i = 0; i < H * D; i++) qf[i] = LOADS(q[(int64_t)b * H * D + i]) * scale;     \
+    {                                                                                         \
         for (int64_t t0 = 0; t0 < len; t0 += 8) {                                            \
             const int n = len - t0 < 8 ? (int)(len - t0) : 8;                                 \
             const T *tok[8];                                                                  \
@@ -242,24 +222,16 @@ static int NAME(const T *q, const T *k, const T *v, const int64_t *block_tables,
             }                                                                                 \
         }                                                                                     \
         for (int h = 0; h < H; h++) softmax_row(scores + h * len, len);                       \
-        float *ob = out + (int64_t)b * H * D;                                                 \
         for (int kh = 0; kh < KVH; kh++)                                                      \
             for (int g0 = 0; g0 < group; g0 += 2)                                             \
                 for (int d0 = 0; d0 < D; d0 += 32)                                            \
                     NAME##_pv(v, table, BS, row, len, kh * D + d0, scores + (kh * group + g0) * len, \
                               len, group - g0 < 2 ? 1 : 2, (D - d0) / 8 < 4 ? (D - d0) / 8 : 4, \
                               ob + (kh * group + g0) * D + d0, D);                            \
-        free(scores);                                                                         \
     }                                                                                         \
-    free(qf);                                                                                 \
-    return 0;                                                                                 \
 }
-#define LOADS bf16_to_f32
 DEFINE_AVX2(avx2_bf16, uint16_t, load8_bf16)
-#undef LOADS
-#define LOADS LOAD_F32
 DEFINE_AVX2(avx2_f32, float, load8_f32)
-#undef LOADS
 #define VECTOR_OK(D) ((D) % 8 == 0)
 #else
 #define VECTOR_OK(D) 0
@@ -267,13 +239,25 @@ DEFINE_AVX2(avx2_f32, float, load8_f32)
 #define avx2_f32 generic_f32
 #endif
 
-/* The exported entry points: the AVX2 kernel where head_dim is a multiple of 8, else the generic one. */
-#define DEFINE_ENTRY(NAME, T, SUFFIX)                                                         \
+/* The exported entry points: per sequence, q scaled to fp32 and a scores scratch, then the AVX2
+ * kernel where head_dim is a multiple of 8, else the generic one. */
+#define DEFINE_ENTRY(NAME, T, LOAD, SUFFIX)                                                   \
 int NAME(const T *q, const T *k, const T *v, const int64_t *block_tables,                     \
          const int64_t *context_lens, float *out, int B, int H, int KVH, int D, int BS,       \
          int max_blocks, float scale) {                                                      \
-    return (VECTOR_OK(D) ? avx2_##SUFFIX : generic_##SUFFIX)(q, k, v, block_tables, context_lens, out, \
-                                                            B, H, KVH, D, BS, max_blocks, scale); \
+    float *qf = malloc(sizeof(float) * H * D);                                                \
+    if (!qf) return -1;                                                                       \
+    for (int b = 0; b < B; b++) {                                                             \
+        const int64_t len = context_lens[b];                                                  \
+        float *scores = malloc(sizeof(float) * H * (len > 0 ? len : 1));                      \
+        if (!scores) { free(qf); return -1; }                                                 \
+        for (int i = 0; i < H * D; i++) qf[i] = LOAD(q[(int64_t)b * H * D + i]) * scale;      \
+        (VECTOR_OK(D) ? avx2_##SUFFIX : generic_##SUFFIX)(qf, k, v, block_tables + (int64_t)b * max_blocks, \
+                                                         len, scores, out + (int64_t)b * H * D, H, KVH, D, BS); \
+        free(scores);                                                                         \
+    }                                                                                         \
+    free(qf);                                                                                 \
+    return 0;                                                                                 \
 }
-DEFINE_ENTRY(paged_decode_attention_bf16, uint16_t, bf16)
-DEFINE_ENTRY(paged_decode_attention_f32, float, f32)
+DEFINE_ENTRY(paged_decode_attention_bf16, uint16_t, bf16_to_f32, bf16)
+DEFINE_ENTRY(paged_decode_attention_f32, float, LOAD_F32, f32)
