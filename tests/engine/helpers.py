@@ -40,7 +40,8 @@ def prompt_logits(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
     n, bs = len(tokens), engine.config.block_size
     blocks = torch.arange(-(-n // bs), dtype=torch.long)
     pos = torch.arange(n)
-    batch = AttentionBatch(blocks[pos // bs] * bs + pos % bs, [SeqSpan(0, n, n, blocks)])
+    batch = AttentionBatch(blocks[pos // bs] * bs + pos % bs, [SeqSpan(0, n, n, blocks)],
+                           native_prefill=runner.native_prefill)
     return runner.model(torch.tensor(tokens), pos, runner.kv_cache, batch, pos)
 
 

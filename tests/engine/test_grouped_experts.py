@@ -159,3 +159,33 @@ def test_native_linear_repacks_when_its_weight_changes_and_trains_on_the_plain_p
         assert torch.allclose(layer(x), -before, atol=1e-5)
     layer(x).sum().backward()
     assert layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weights_large_enough_to_share_out_give_the_same_sums_on_two_threads(dtype: torch.dtype) -> None:
+    """Above the per-thread size the kernels split panels (linear) and experts (MoE) between
+    threads; every output is still summed by one thread in one order, so the results are equal
+    to the single-thread ones bit for bit, and to the reference."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 512, generator=g)
+    weight = (torch.randn(4096, 512, generator=g) / 20).to(dtype)  # 4-8 MB: two threads
+    experts, inter = 8, 512
+    w13 = (torch.randn(experts, 2 * inter, 512, generator=g) / 20).to(dtype)
+    w2 = (torch.randn(experts, 512, inter, generator=g) / 20).to(dtype)
+    ids = torch.randint(0, experts, (12, 2), generator=g)
+    weights = torch.rand(12, 2, generator=g)
+    packed, p13, p2 = (grouped_experts.pack_panels(w) for w in (weight, w13, w2))
+    previous = torch.get_num_threads()
+    results = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results[threads] = (grouped_experts.linear(x, packed, 4096),
+                                grouped_experts.moe_experts(x, ids, weights, p13, p2, inter))
+    finally:
+        torch.set_num_threads(previous)
+    for one, two in zip(results[1], results[2]):
+        assert torch.equal(one, two)
+    assert torch.allclose(results[2][0], x @ weight.float().T, atol=1e-3, rtol=1e-4)
+    ref = _reference_moe(x, ids, weights, w13, w2).float()
+    assert torch.allclose(results[2][1], ref, atol=1e-3, rtol=1e-3)

@@ -69,3 +69,33 @@ def test_kernel_matches_sdpa_on_random_shapes(dim: int, group: int, kv_heads: in
         ref = F.scaled_dot_product_attention(q[i].float()[None, :, None], ctx[0][None], ctx[1][None],
                                              enable_gqa=True)[0, :, 0]
         assert torch.allclose(out[i], ref, atol=1e-4, rtol=1e-4), (i, (out[i] - ref).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_shared_between_threads_give_the_same_outputs(dtype: torch.dtype) -> None:
+    """Enough K/V (8 sequences up to 2,000 tokens) for the kernel to share sequences between
+    threads: equal to the single-thread result bit for bit, and to PyTorch's attention."""
+    g = torch.Generator().manual_seed(9)
+    kv_heads, group, dim, bs = 4, 2, 64, 16
+    lens = [2000, 1500, 1999, 17, 1024, 1800, 600, 2000]
+    blocks = [-(-n // bs) for n in lens]
+    cache = torch.randn(2, sum(blocks), bs, kv_heads, dim, generator=g).to(dtype)
+    tables = list(torch.randperm(sum(blocks), generator=g).split(blocks))
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.long)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    q = torch.randn(len(lens), kv_heads * group, dim, generator=g).to(dtype)
+    previous = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(kernels.paged_decode_attention(q, cache[0], cache[1], table, torch.tensor(lens), dim ** -0.5))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(outs[0], outs[1])
+    for i, n in enumerate(lens):
+        ctx = cache.index_select(1, tables[i]).reshape(2, -1, kv_heads, dim)[:, :n].float().transpose(1, 2)
+        ref = F.scaled_dot_product_attention(q[i].float()[None, :, None], ctx[0][None], ctx[1][None],
+                                             enable_gqa=True)[0, :, 0]
+        assert torch.allclose(outs[1][i], ref, atol=1e-4, rtol=1e-4)

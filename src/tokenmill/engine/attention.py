@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.engine import kernels
+from tokenmill.engine.kernels.prefill_attention import prefill_attention
 
 
 @dataclass(slots=True)
@@ -34,8 +35,9 @@ class DecodeBatch:
 @dataclass(slots=True)
 class AttentionBatch:
     slot_mapping: torch.Tensor  # int64 [tokens]: cache slot (block*block_size+offset) per new token
-    spans: list[SeqSpan]  # sequences computed with PyTorch's attention
+    spans: list[SeqSpan]  # sequences with several queries, or single ones without the decode kernel
     decode: DecodeBatch | None = None
+    native_prefill: bool = False  # spans go through the flash-style kernel, not PyTorch's attention
 
 
 def allocate_kv_cache(
@@ -66,8 +68,11 @@ def paged_attention(
                                              d.block_table, d.context_lens, scale)
         out.index_copy_(0, d.rows, res.to(q.dtype))
     for span in batch.spans:
-        k, v = _gather_context(kv_layer, span)
         rows = slice(span.query_start, span.query_start + span.query_len)
+        if batch.native_prefill and q.is_cpu:
+            out[rows] = prefill_attention(q[rows], kv_layer[0], kv_layer[1], span.block_ids, span.context_len, scale)
+            continue
+        k, v = _gather_context(kv_layer, span)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, qlen, dim]
         if span.query_len == span.context_len and span.query_len > 1:
             # No cached context: the mask is the plain causal one, which the flash kernel

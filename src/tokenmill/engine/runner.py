@@ -11,6 +11,7 @@ import torch
 from tokenmill.engine import kernels
 from tokenmill.engine.attention import AttentionBatch, DecodeBatch, SeqSpan, allocate_kv_cache
 from tokenmill.engine.guided import MaskComputer
+from tokenmill.engine.kernels import prefill_attention
 from tokenmill.engine.models.transformer import CausalLM
 from tokenmill.engine.runner_protocol import KVAllocator, Sampled
 from tokenmill.engine.sampler import sample
@@ -36,6 +37,7 @@ class TorchModelRunner:
         self.mask_computer: MaskComputer | None = None  # structured outputs' masks, beside the forward pass
         self.native_decode = dtype in (torch.float32, torch.bfloat16) and cfg.head_dim <= kernels.MAX_HEAD_DIM \
             and kernels.available()
+        self.native_prefill = prefill_attention.supported(dtype, cfg.head_dim)
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
         input_ids, positions, batch, logits_rows = self._prepare(out, kv)
@@ -78,7 +80,8 @@ class TorchModelRunner:
             slots.append(blocks[pos // bs] * bs + pos % bs)
             if seq.samples:
                 logits_rows.append(len(ids) - 1)
-        batch = AttentionBatch(torch.from_numpy(np.concatenate(slots)), spans, _decode_batch(decodes))
+        batch = AttentionBatch(torch.from_numpy(np.concatenate(slots)), spans, _decode_batch(decodes),
+                               self.native_prefill)
         return (torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)),
                 batch, torch.tensor(logits_rows, dtype=torch.long))
 

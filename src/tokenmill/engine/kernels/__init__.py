@@ -1,5 +1,6 @@
 """Native CPU kernels, compiled from C at first use and called through ctypes: paged decode
-attention (here) and small-M expert/dense matmuls (`grouped_experts.py`).
+attention (here), flash-style prefill attention (`prefill_attention.py`) and small-M
+expert/dense matmuls (`grouped_experts.py`).
 
 Each shared library is built with the system C compiler into a per-user cache
 keyed by the source's hash, so a changed kernel is rebuilt and concurrent
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 # Not -ffast-math: linking it sets flush-to-zero for the whole process. These allow what
 # vectorises the reductions and expf (the kernel only ever sees finite values).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-          "-fassociative-math", "-ffinite-math-only", "-freciprocal-math", "-fPIC", "-shared", "-std=c11"]
+          "-fassociative-math", "-ffinite-math-only", "-freciprocal-math", "-fPIC", "-shared", "-std=c11", "-pthread"]
 MAX_HEAD_DIM = 256
 
 
@@ -35,7 +36,8 @@ def _cache_dir() -> Path:
 
 
 def _build(source_path: Path) -> Path:
-    source = source_path.read_bytes()
+    # the headers beside it count too: a changed header must rebuild every kernel
+    source = b"".join(p.read_bytes() for p in [source_path, *sorted(source_path.parent.glob("*.h"))])
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source_path.stem}-{digest}.so"
     if target.is_file():
@@ -71,7 +73,7 @@ def _library() -> ctypes.CDLL | None:
     lib = load_library("paged_attention.c")
     if lib is None:
         return None
-    args = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+    args = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     for name in ("paged_decode_attention_bf16", "paged_decode_attention_f32"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
@@ -85,7 +87,8 @@ def available() -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D]; k/v_cache [blocks, block_size, KVH, D] (contiguous, same dtype as q);
-    block_tables [B, max_blocks] int64; context_lens [B] int64 -> [B, H, D] float32."""
+    block_tables [B, max_blocks] int64; context_lens [B] int64 -> [B, H, D] float32. Sequences are
+    shared out over `torch.get_num_threads()` threads."""
     lib = _library()
     if lib is None:
         raise RuntimeError("native kernels are not available")
@@ -97,7 +100,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty(b, h, d, dtype=torch.float32)
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            context_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1], scale)
+            context_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1], scale,
+            torch.get_num_threads())
     if rc != 0:
         raise MemoryError("native attention kernel could not allocate its scratch buffers")
     return out

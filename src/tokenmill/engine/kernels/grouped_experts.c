@@ -11,10 +11,10 @@
  * P[j][k][r] = W[16j + r][k], zero past row O. bf16 weights stay bf16 (widened to fp32 in
  * registers: a bf16 is the top half of an fp32); rows and accumulation are fp32.
  *
- *   tm_linear_{bf16,f32}(x [M, K] f32, P, y [M, O] f32, M, K, O)        y = x W^T
+ *   tm_linear_{bf16,f32}(x [M, K] f32, P, y [M, O] f32, M, K, O, threads)        y = x W^T
  *   tm_moe_{bf16,f32}(x [T, H] f32, ids [T, topk] i64, weights [T, topk] f32,
  *                     P13 [E] x packed [2I, H], P2 [E] x packed [H, I], out [T, H] f32,
- *                     T, topk, E, H, I)
+ *                     T, topk, E, H, I, threads)
  *       out[t] = sum_k weights[t,k] * W2[e] (silu(g) * u),  [g | u] = W13[e] x[t],  e = ids[t,k]
  * Both return 0, or -1 when scratch memory could not be allocated.
  */
@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "parallel.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -97,12 +99,13 @@ static void NAME(const float *const *x, int nr, const T *panel, int K, float acc
 DEFINE_DISPATCH(panel_bf16, uint16_t)
 DEFINE_DISPATCH(panel_f32, float)
 
-/* y[r] = x[r] W^T for the nr rows x[0..nr): every panel once per ROWS rows. */
+/* y[r][16j0..16j1) of y[r] = x[r] W^T for the nr rows x[0..nr): panels j0..j1, each once per
+ * ROWS rows. */
 #define DEFINE_ROWS(NAME, T, PANEL_FN)                                                        \
-static void NAME(const float *const *x, float *const *y, int nr, const T *packed, int K, int O) { \
+static void NAME(const float *const *x, float *const *y, int nr, const T *packed, int K, int O, \
+                 int j0, int j1) {                                                           \
     float acc[ROWS][PANEL];                                                                  \
-    const int panels = (O + PANEL - 1) / PANEL;                                              \
-    for (int j = 0; j < panels; j++) {                                                       \
+    for (int j = j0; j < j1; j++) {                                                          \
         const T *panel = packed + (size_t)j * K * PANEL;                                     \
         const int width = O - j * PANEL < PANEL ? O - j * PANEL : PANEL;                     \
         for (int r0 = 0; r0 < nr; r0 += ROWS) {                                              \
@@ -115,18 +118,53 @@ static void NAME(const float *const *x, float *const *y, int nr, const T *packed
 DEFINE_ROWS(rows_bf16, uint16_t, panel_bf16)
 DEFINE_ROWS(rows_f32, float, panel_f32)
 
-#define DEFINE_LINEAR(NAME, T, ROWS_FN)                                                       \
-int NAME(const float *x, const T *packed, float *y, int M, int K, int O) {                   \
+/* A call's weights are split between threads only when each share is worth a thread's start:
+ * starting one and joining it costs ~100 us on a 2-vCPU VM (an idle vCPU has to wake up). */
+#define MIN_BYTES_PER_THREAD (2 * 1024 * 1024)
+
+static int threads_for(size_t weight_bytes, int threads) {
+    const size_t most = weight_bytes / MIN_BYTES_PER_THREAD;
+    return most < 1 ? 1 : (size_t)threads < most ? threads : (int)most;
+}
+
+struct linear_job {
+    const float *const *x;
+    float *const *y;
+    const void *packed;
+    int nr, K, O, panels_per_task, bf16;
+};
+
+static void linear_task(void *ctx, int task) {
+    const struct linear_job *jb = ctx;
+    const int panels = (jb->O + PANEL - 1) / PANEL, j0 = task * jb->panels_per_task;
+    const int j1 = j0 + jb->panels_per_task < panels ? j0 + jb->panels_per_task : panels;
+    if (jb->bf16) rows_bf16(jb->x, jb->y, jb->nr, jb->packed, jb->K, jb->O, j0, j1);
+    else rows_f32(jb->x, jb->y, jb->nr, jb->packed, jb->K, jb->O, j0, j1);
+}
+
+/* All panels of one weight for nr rows, split into 4 tasks per thread. */
+static void rows_parallel(const float *const *x, float *const *y, int nr, const void *packed, int K, int O,
+                          int bf16, int threads) {
+    const int panels = (O + PANEL - 1) / PANEL;
+    threads = threads_for((size_t)panels * K * PANEL * (bf16 ? 2 : 4), threads);
+    const int tasks = threads == 1 ? 1 : 4 * threads;
+    struct linear_job jb = {.x = x, .y = y, .packed = packed, .nr = nr, .K = K, .O = O, .bf16 = bf16,
+                            .panels_per_task = (panels + tasks - 1) / tasks};
+    parallel_for(linear_task, &jb, (panels + jb.panels_per_task - 1) / jb.panels_per_task, threads);
+}
+
+#define DEFINE_LINEAR(NAME, T, BF16)                                                          \
+int NAME(const float *x, const T *packed, float *y, int M, int K, int O, int threads) {      \
     const float **xr = malloc(sizeof(float *) * (M ? M : 1));                                \
     float **yr = malloc(sizeof(float *) * (M ? M : 1));                                      \
     if (!xr || !yr) { free(xr); free(yr); return -1; }                                       \
     for (int m = 0; m < M; m++) { xr[m] = x + (size_t)m * K; yr[m] = y + (size_t)m * O; }     \
-    ROWS_FN(xr, yr, M, packed, K, O);                                                        \
+    rows_parallel(xr, yr, M, packed, K, O, BF16, threads);                                   \
     free(xr); free(yr);                                                                      \
     return 0;                                                                                \
 }
-DEFINE_LINEAR(tm_linear_bf16, uint16_t, rows_bf16)
-DEFINE_LINEAR(tm_linear_f32, float, rows_f32)
+DEFINE_LINEAR(tm_linear_bf16, uint16_t, 1)
+DEFINE_LINEAR(tm_linear_f32, float, 0)
 
 /* Clamped: exp(-g) overflows below g = -88, and the build assumes finite math. */
 static inline float silu(float g) { return g < -80.f ? 0.f : g / (1.f + expf(-g)); }
@@ -144,9 +182,37 @@ static int group_by_expert(const int64_t *ids, int A, int E, int *start, int *or
     return 0;
 }
 
-#define DEFINE_MOE(NAME, T, ROWS_FN)                                                          \
+/* One expert's rows: gate/up, SiLU(gate) * up, down. */
+struct moe_job {
+    const float **xr, **hr;
+    float **gr, **yr;
+    float *h;
+    const int *start;
+    const void *p13, *p2;
+    size_t s13, s2;
+    int H, I, bf16;
+};
+
+static void expert_task(void *ctx, int e) {
+    const struct moe_job *jb = ctx;
+    const int n = jb->start[e + 1] - jb->start[e], I = jb->I, H = jb->H, at = jb->start[e];
+    const size_t width = jb->bf16 ? 2 : 4;
+    if (!n) return;
+    const char *p13 = (const char *)jb->p13 + e * jb->s13 * width, *p2 = (const char *)jb->p2 + e * jb->s2 * width;
+    const int up_panels = (2 * I + PANEL - 1) / PANEL, down_panels = (H + PANEL - 1) / PANEL;
+    if (jb->bf16) rows_bf16(jb->xr + at, jb->gr + at, n, (const uint16_t *)p13, H, 2 * I, 0, up_panels);
+    else rows_f32(jb->xr + at, jb->gr + at, n, (const float *)p13, H, 2 * I, 0, up_panels);
+    for (int i = at; i < at + n; i++)
+        for (int c = 0; c < I; c++) jb->h[(size_t)i * I + c] = silu(jb->gr[i][c]) * jb->gr[i][I + c];
+    if (jb->bf16) rows_bf16(jb->hr + at, jb->yr + at, n, (const uint16_t *)p2, I, H, 0, down_panels);
+    else rows_f32(jb->hr + at, jb->yr + at, n, (const float *)p2, I, H, 0, down_panels);
+}
+
+/* Experts run in parallel, each on one thread: an expert's weights are read once per step
+ * whatever its token count, so the tasks cost about the same. */
+#define DEFINE_MOE(NAME, T, BF16)                                                             \
 int NAME(const float *x, const int64_t *ids, const float *weights, const T *p13, const T *p2, \
-         float *out, int Tn, int topk, int E, int H, int I) {                                 \
+         float *out, int Tn, int topk, int E, int H, int I, int threads) {                    \
     const int A = Tn * topk;                                                                  \
     const size_t s13 = (size_t)((2 * I + PANEL - 1) / PANEL) * H * PANEL;                    \
     const size_t s2 = (size_t)((H + PANEL - 1) / PANEL) * I * PANEL;                         \
@@ -161,18 +227,15 @@ int NAME(const float *x, const int64_t *ids, const float *weights, const T *p13,
     if (!start || !order || !gu || !h || !yd || !xr || !gr || !yr || !hr) goto done;         \
     for (int a = 0; a < A; a++) if (ids[a] < 0 || ids[a] >= E) { rc = -2; goto done; }       \
     if (group_by_expert(ids, A, E, start, order)) goto done;                                 \
+    int active = 0;                                                                          \
+    for (int e = 0; e < E; e++) active += start[e + 1] > start[e];                           \
     for (int i = 0; i < A; i++) {                                                            \
         xr[i] = x + (size_t)(order[i] / topk) * H;                                           \
         gr[i] = gu + (size_t)i * 2 * I; hr[i] = h + (size_t)i * I; yr[i] = yd + (size_t)i * H; \
     }                                                                                        \
-    for (int e = 0; e < E; e++) {                                                            \
-        const int n = start[e + 1] - start[e];                                               \
-        if (!n) continue;                                                                    \
-        ROWS_FN(xr + start[e], gr + start[e], n, p13 + e * s13, H, 2 * I);                   \
-        for (int i = start[e]; i < start[e + 1]; i++)                                        \
-            for (int c = 0; c < I; c++) h[(size_t)i * I + c] = silu(gr[i][c]) * gr[i][I + c]; \
-        ROWS_FN(hr + start[e], yr + start[e], n, p2 + e * s2, I, H);                         \
-    }                                                                                        \
+    struct moe_job jb = {.xr = xr, .hr = hr, .gr = gr, .yr = yr, .h = h, .start = start, .p13 = p13, \
+                         .p2 = p2, .s13 = s13, .s2 = s2, .H = H, .I = I, .bf16 = BF16};      \
+    parallel_for(expert_task, &jb, E, threads_for((s13 + s2) * sizeof(T) * active, threads)); \
     memset(out, 0, sizeof(float) * (size_t)Tn * H);                                          \
     for (int i = 0; i < A; i++) {                                                            \
         const float w = weights[order[i]];                                                   \
@@ -185,5 +248,5 @@ done:                                                                           
     free(xr); free(gr); free(yr); free(hr);                                                  \
     return rc;                                                                               \
 }
-DEFINE_MOE(tm_moe_bf16, uint16_t, rows_bf16)
-DEFINE_MOE(tm_moe_f32, float, rows_f32)
+DEFINE_MOE(tm_moe_bf16, uint16_t, 1)
+DEFINE_MOE(tm_moe_f32, float, 0)

@@ -4,7 +4,8 @@ and dense linears at decode batch sizes, each weight read once from memory per s
 Weights are packed once (`pack_panels`) into 16-row panels, `[ceil(O/16), K, 16]` per matrix,
 kept in their dtype (bf16 or fp32); rows and sums are fp32. Callers keep their PyTorch path
 for large M (prefill), where GEMM libraries are compute-bound and faster, and for whatever
-`available()` refuses.
+`available()` refuses. Both run on `torch.get_num_threads()` threads when their weights are
+large enough to share out.
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ def _library() -> ctypes.CDLL | None:
         return None
     for suffix in ("bf16", "f32"):
         linear = getattr(lib, f"tm_linear_{suffix}")
-        linear.argtypes, linear.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3, ctypes.c_int
+        linear.argtypes, linear.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4, ctypes.c_int
         moe = getattr(lib, f"tm_moe_{suffix}")
-        moe.argtypes, moe.restype = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5, ctypes.c_int
+        moe.argtypes, moe.restype = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6, ctypes.c_int
     return lib
 
 
@@ -73,7 +74,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Te
     if packed.dim() != 3 or packed.shape[1] != k or packed.shape[0] * PANEL < out_features:
         raise ValueError(f"packed weight {tuple(packed.shape)} does not fit x {tuple(x.shape)} -> {out_features}")
     y = torch.empty(m, out_features, dtype=torch.float32)
-    if _fn("linear", packed.dtype)(xf.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, out_features):
+    if _fn("linear", packed.dtype)(xf.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, out_features,
+                                   torch.get_num_threads()):
         raise MemoryError("native linear kernel could not allocate its scratch buffers")
     return y
 
@@ -95,7 +97,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     out = torch.empty(tokens, hidden, dtype=torch.float32)
     rc = _fn("moe", packed_gate_up.dtype)(xf.data_ptr(), ids.data_ptr(), w.data_ptr(), packed_gate_up.data_ptr(),
                                           packed_down.data_ptr(), out.data_ptr(), tokens, ids.shape[1],
-                                          num_experts, hidden, intermediate)
+                                          num_experts, hidden, intermediate, torch.get_num_threads())
     if rc == -2:
         raise ValueError(f"expert ids must lie in [0, {num_experts})")
     if rc:

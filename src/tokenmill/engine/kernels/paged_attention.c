@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "parallel.h"
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = ((uint32_t)x) << 16;
     float f;
@@ -167,18 +169,16 @@ static void NAME##_scores8(const float *qf, const T *const rows[8], int n, int k
         memcpy(scores + h * len + t0, s, sizeof(float) * n);                                  \
     }                                                                                         \
 }                                                                                             \
-/* out[j][0..8*nc) = sum_t p[j * pstride + t] * V_t[col..col+8*nc) for the nh (<= 2) heads j:   \
- * nh x nc <= 8 sums stay in registers across every token; each V line is read once. */       \
+/* out[j][0..8*nc) += sum_t p[j * pstride + t] * V_t[col..col+8*nc) over tokens t0..t1 of one   \
+ * block, for the nh (<= 2) heads j: nh x nc <= 8 sums stay in registers across the block. */  \
 static inline __attribute__((always_inline)) void NAME##_pv_n(                                \
-        const T *v, const int64_t *table, int BS, int64_t row, int64_t len, int col,          \
+        const T *vblock, int64_t row, int64_t t0, int64_t t1, int col,                        \
         const float *p, int64_t pstride, const int nh, const int nc, float *out, int D) {     \
     __m256 acc[2][4];                                                                         \
-    for (int j = 0; j < nh; j++) for (int c = 0; c < nc; c++) acc[j][c] = _mm256_setzero_ps(); \
-    for (int64_t t = 0; t < len; t++) {                                                       \
-        const T *vrow = v + (table[t / BS] * BS + t % BS) * row + col;                        \
-        if (t % BS == 0 && t + AHEAD * BS < len)                                              \
-            for (int i = 0; i < BS; i++)                                                      \
-                __builtin_prefetch(v + (table[t / BS + AHEAD] * BS + i) * row + col, 0, 0);    \
+    for (int j = 0; j < nh; j++)                                                              \
+        for (int c = 0; c < nc; c++) acc[j][c] = _mm256_loadu_ps(out + j * D + 8 * c);        \
+    for (int64_t t = t0; t < t1; t++) {                                                       \
+        const T *vrow = vblock + (t - t0) * row + col;                                        \
         __m256 vv[4];                                                                         \
         for (int c = 0; c < nc; c++) vv[c] = LOAD8(vrow + 8 * c);                             \
         for (int j = 0; j < nh; j++) {                                                        \
@@ -189,17 +189,17 @@ static inline __attribute__((always_inline)) void NAME##_pv_n(                  
     for (int j = 0; j < nh; j++)                                                              \
         for (int c = 0; c < nc; c++) _mm256_storeu_ps(out + j * D + 8 * c, acc[j][c]);         \
 }                                                                                             \
-static void NAME##_pv(const T *v, const int64_t *table, int BS, int64_t row, int64_t len, int col, \
+static void NAME##_pv(const T *vblock, int64_t row, int64_t t0, int64_t t1, int col,          \
                       const float *p, int64_t pstride, int nh, int nc, float *out, int D) {   \
     switch (nh * 4 + nc) {                                                                    \
-    case 5: NAME##_pv_n(v, table, BS, row, len, col, p, pstride, 1, 1, out, D); break;        \
-    case 6: NAME##_pv_n(v, table, BS, row, len, col, p, pstride, 1, 2, out, D); break;        \
-    case 7: NAME##_pv_n(v, table, BS, row, len, col, p, pstride, 1, 3, out, D); break;        \
-    case 8: NAME##_pv_n(v, table, BS, row, len, col, p, pstride, 1, 4, out, D); break;        \
-    case 9: NAME##_pv_n(v, table, BS, row, len, col, p, pstride, 2, 1, out, D); break;        \
-    case 10: NAME##_pv_n(v, table, BS, row, len, col, p, pstride, 2, 2, out, D); break;       \
-    case 11: NAME##_pv_n(v, table, BS, row, len, col, p, pstride, 2, 3, out, D); break;       \
-    default: NAME##_pv_n(v, table, BS, row, len, col, p, pstride, 2, 4, out, D); break;       \
+    case 5: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 1, 1, out, D); break;           \
+    case 6: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 1, 2, out, D); break;           \
+    case 7: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 1, 3, out, D); break;           \
+    case 8: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 1, 4, out, D); break;           \
+    case 9: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 2, 1, out, D); break;           \
+    case 10: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 2, 2, out, D); break;          \
+    case 11: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 2, 3, out, D); break;          \
+    default: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 2, 4, out, D); break;          \
     }                                                                                         \
 }                                                                                             \
 static void NAME(SEQ_ARGS(T)) {                                                               \
@@ -222,12 +222,20 @@ static void NAME(SEQ_ARGS(T)) {                                                 
             }                                                                                 \
         }                                                                                     \
         for (int h = 0; h < H; h++) softmax_row(scores + h * len, len);                       \
-        for (int kh = 0; kh < KVH; kh++)                                                      \
-            for (int g0 = 0; g0 < group; g0 += 2)                                             \
-                for (int d0 = 0; d0 < D; d0 += 32)                                            \
-                    NAME##_pv(v, table, BS, row, len, kh * D + d0, scores + (kh * group + g0) * len, \
-                              len, group - g0 < 2 ? 1 : 2, (D - d0) / 8 < 4 ? (D - d0) / 8 : 4, \
-                              ob + (kh * group + g0) * D + d0, D);                            \
+        memset(ob, 0, sizeof(float) * H * D);                                                 \
+        /* block by block: a V block is fetched once, then every head's sums pass over it in L1 */ \
+        for (int64_t t0 = 0; t0 < len; t0 += BS) {                                            \
+            const T *vblock = v + table[t0 / BS] * BS * row;                                  \
+            const int64_t t1 = t0 + BS < len ? t0 + BS : len;                                 \
+            if (t0 + AHEAD * BS < len)                                                        \
+                prefetch_block(v + table[t0 / BS + AHEAD] * BS * row, BS * row * sizeof(T));   \
+            for (int kh = 0; kh < KVH; kh++)                                                  \
+                for (int g0 = 0; g0 < group; g0 += 2)                                         \
+                    for (int d0 = 0; d0 < D; d0 += 32)                                        \
+                        NAME##_pv(vblock, row, t0, t1, kh * D + d0, scores + (kh * group + g0) * len, \
+                                  len, group - g0 < 2 ? 1 : 2, (D - d0) / 8 < 4 ? (D - d0) / 8 : 4, \
+                                  ob + (kh * group + g0) * D + d0, D);                        \
+        }                                                                                     \
     }                                                                                         \
 }
 DEFINE_AVX2(avx2_bf16, uint16_t, load8_bf16)
@@ -239,25 +247,66 @@ DEFINE_AVX2(avx2_f32, float, load8_f32)
 #define avx2_f32 generic_f32
 #endif
 
-/* The exported entry points: per sequence, q scaled to fp32 and a scores scratch, then the AVX2
- * kernel where head_dim is a multiple of 8, else the generic one. */
-#define DEFINE_ENTRY(NAME, T, LOAD, SUFFIX)                                                   \
-int NAME(const T *q, const T *k, const T *v, const int64_t *block_tables,                     \
-         const int64_t *context_lens, float *out, int B, int H, int KVH, int D, int BS,       \
-         int max_blocks, float scale) {                                                      \
-    float *qf = malloc(sizeof(float) * H * D);                                                \
-    if (!qf) return -1;                                                                       \
-    for (int b = 0; b < B; b++) {                                                             \
-        const int64_t len = context_lens[b];                                                  \
-        float *scores = malloc(sizeof(float) * H * (len > 0 ? len : 1));                      \
-        if (!scores) { free(qf); return -1; }                                                 \
-        for (int i = 0; i < H * D; i++) qf[i] = LOAD(q[(int64_t)b * H * D + i]) * scale;      \
-        (VECTOR_OK(D) ? avx2_##SUFFIX : generic_##SUFFIX)(qf, k, v, block_tables + (int64_t)b * max_blocks, \
-                                                         len, scores, out + (int64_t)b * H * D, H, KVH, D, BS); \
-        free(scores);                                                                         \
+/* The exported entry points: sequences are shared between threads; per sequence, q scaled to
+ * fp32 and a scores scratch, then the AVX2 kernel where head_dim is a multiple of 8, else the
+ * generic one. */
+struct decode_job {
+    const void *q, *k, *v;
+    const int64_t *block_tables, *context_lens;
+    float *out, scale;
+    int H, KVH, D, BS, max_blocks, bf16;
+    atomic_int failed;
+};
+
+#define DEFINE_SEQUENCE(NAME, T, LOAD, SUFFIX)                                                \
+static void NAME(const struct decode_job *jb, int b) {                                        \
+    const int H = jb->H, D = jb->D;                                                           \
+    const int64_t len = jb->context_lens[b];                                                  \
+    const T *q = (const T *)jb->q + (int64_t)b * H * D;                                       \
+    float *qf = malloc(sizeof(float) * H * D), *scores = malloc(sizeof(float) * H * (len > 0 ? len : 1)); \
+    if (qf && scores) {                                                                       \
+        for (int i = 0; i < H * D; i++) qf[i] = LOAD(q[i]) * jb->scale;                       \
+        (VECTOR_OK(D) ? avx2_##SUFFIX : generic_##SUFFIX)(qf, jb->k, jb->v, jb->block_tables + (int64_t)b * jb->max_blocks, \
+                                                         len, scores, jb->out + (int64_t)b * H * D, H, jb->KVH, D, jb->BS); \
+    } else {                                                                                  \
+        atomic_store((atomic_int *)&jb->failed, 1);                                           \
     }                                                                                         \
-    free(qf);                                                                                 \
-    return 0;                                                                                 \
+    free(qf); free(scores);                                                                   \
 }
-DEFINE_ENTRY(paged_decode_attention_bf16, uint16_t, bf16_to_f32, bf16)
-DEFINE_ENTRY(paged_decode_attention_f32, float, LOAD_F32, f32)
+DEFINE_SEQUENCE(sequence_bf16, uint16_t, bf16_to_f32, bf16)
+DEFINE_SEQUENCE(sequence_f32, float, LOAD_F32, f32)
+
+static void decode_task(void *ctx, int b) {
+    const struct decode_job *jb = ctx;
+    if (jb->bf16) sequence_bf16(jb, b);
+    else sequence_f32(jb, b);
+}
+
+/* Threads only when the K/V to read is worth a thread's start (~100 us; see parallel.h). */
+#define MIN_KV_BYTES_PER_THREAD (2 * 1024 * 1024)
+
+static int decode(const void *q, const void *k, const void *v, const int64_t *block_tables,
+                  const int64_t *context_lens, float *out, int B, int H, int KVH, int D, int BS,
+                  int max_blocks, float scale, int threads, int bf16) {
+    struct decode_job jb = {.q = q, .k = k, .v = v, .block_tables = block_tables, .context_lens = context_lens,
+                            .out = out, .scale = scale, .H = H, .KVH = KVH, .D = D, .BS = BS,
+                            .max_blocks = max_blocks, .bf16 = bf16};
+    atomic_init(&jb.failed, 0);
+    int64_t tokens = 0;
+    for (int b = 0; b < B; b++) tokens += context_lens[b];
+    const int64_t most = tokens * 2 * KVH * D * (bf16 ? 2 : 4) / MIN_KV_BYTES_PER_THREAD;
+    parallel_for(decode_task, &jb, B, most < 1 ? 1 : most < threads ? (int)most : threads);
+    return atomic_load(&jb.failed) ? -1 : 0;
+}
+
+int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *block_tables,
+                                const int64_t *context_lens, float *out, int B, int H, int KVH, int D, int BS,
+                                int max_blocks, float scale, int threads) {
+    return decode(q, k, v, block_tables, context_lens, out, B, H, KVH, D, BS, max_blocks, scale, threads, 1);
+}
+
+int paged_decode_attention_f32(const float *q, const float *k, const float *v, const int64_t *block_tables,
+                               const int64_t *context_lens, float *out, int B, int H, int KVH, int D, int BS,
+                               int max_blocks, float scale, int threads) {
+    return decode(q, k, v, block_tables, context_lens, out, B, H, KVH, D, BS, max_blocks, scale, threads, 0);
+}

@@ -1,0 +1,274 @@
+/* Flash-style prefill attention for CPUs: the new queries of one sequence against its whole
+ * context, K/V read in place from the block-structured cache (no gather copy, no mask tensor,
+ * no [queries x keys] score matrix). Built at first use by kernels/__init__.py.
+ *
+ *   tm_prefill_attention_{bf16,f32}(q [Q, H, D], k, v [blocks, BS, KVH, D], table [blocks] i64,
+ *                                   out [Q, H, D] f32, context_len, Q, H, KVH, D, BS, scale, threads)
+ * Query i sits at position context_len - Q + i and sees keys 0..that position. Returns 0, -1
+ * when scratch memory could not be allocated, -2 when this build or shape has no kernel
+ * (AVX2+FMA and D a multiple of 16 up to 256 are required: the caller keeps its PyTorch path).
+ *
+ * Work is split into tasks of (KV head, block of query rows). A task's rows are the `group`
+ * query heads sharing that KV head, interleaved by position (row = i * group + g), so causal
+ * masking skips whole key chunks per 6-row tile. For every 64-key chunk a task widens K
+ * (transposed) and V to fp32 once, then per tile: scores in registers (6 rows x 16 keys),
+ * an online softmax (running max and sum per row), and P.V into the tile's fp32 output.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "parallel.h"
+
+#define NK 64               /* keys per chunk */
+#define MR 6                /* query rows per register tile */
+#define MAX_D 256
+#define ROW_BLOCK_BYTES 131072 /* a task's fp32 queries + outputs stay within L2 */
+#define MASKED (-1e30f)      /* not -inf: the build assumes finite math */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline __m256 widen8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* e^x for x <= 0, as in paged_attention.c: degree-6 polynomial, ~1e-7 relative error, 0 below -87. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 floor_x = _mm256_set1_ps(-87.0f);
+    const __m256 dead = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, floor_x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)));
+}
+
+static inline float hmax8(__m256 v) {
+    float lanes[8], m;
+    _mm256_storeu_ps(lanes, v);
+    m = lanes[0];
+    for (int i = 1; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    return m;
+}
+
+static inline float hsum8(__m256 v) {
+    float lanes[8], s = 0.f;
+    _mm256_storeu_ps(lanes, v);
+    for (int i = 0; i < 8; i++) s += lanes[i];
+    return s;
+}
+
+/* s[r][0..NK) = q[r] . kt[.][j] for the MR rows of a tile: 12 sums in registers per 16 keys. */
+static void tile_scores(const float *q, const float *kt, int D, float s[MR][NK]) {
+    for (int j0 = 0; j0 < NK; j0 += 16) {
+        __m256 a0[MR], a1[MR];
+        for (int r = 0; r < MR; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            const __m256 k0 = _mm256_loadu_ps(kt + d * NK + j0), k1 = _mm256_loadu_ps(kt + d * NK + j0 + 8);
+            for (int r = 0; r < MR; r++) {
+                const __m256 b = _mm256_broadcast_ss(q + r * D + d);
+                a0[r] = _mm256_fmadd_ps(b, k0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(b, k1, a1[r]);
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            _mm256_storeu_ps(s[r] + j0, a0[r]);
+            _mm256_storeu_ps(s[r] + j0 + 8, a1[r]);
+        }
+    }
+}
+
+/* o[r] = alpha[r] * o[r] + sum_j p[r][j] * vf[j] over the first nk keys, 16 dims at a time. */
+static void tile_pv(float s[MR][NK], const float *alpha, const float *vf, int nk, int D, float *o) {
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        __m256 a0[MR], a1[MR];
+        for (int r = 0; r < MR; r++) {
+            const __m256 al = _mm256_set1_ps(alpha[r]);
+            a0[r] = _mm256_mul_ps(al, _mm256_loadu_ps(o + r * D + d0));
+            a1[r] = _mm256_mul_ps(al, _mm256_loadu_ps(o + r * D + d0 + 8));
+        }
+        for (int j = 0; j < nk; j++) {
+            const __m256 v0 = _mm256_loadu_ps(vf + j * D + d0), v1 = _mm256_loadu_ps(vf + j * D + d0 + 8);
+            for (int r = 0; r < MR; r++) {
+                const __m256 b = _mm256_broadcast_ss(s[r] + j);
+                a0[r] = _mm256_fmadd_ps(b, v0, a0[r]);
+                a1[r] = _mm256_fmadd_ps(b, v1, a1[r]);
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            _mm256_storeu_ps(o + r * D + d0, a0[r]);
+            _mm256_storeu_ps(o + r * D + d0 + 8, a1[r]);
+        }
+    }
+}
+
+/* Masks keys past each row's position, then turns scores into probabilities against the
+ * running max; alpha[r] rescales what the row summed before this chunk. */
+static void tile_softmax(float s[MR][NK], const int64_t *pos, int64_t c0, float *m, float *l, float *alpha) {
+    for (int r = 0; r < MR; r++) {
+        const int64_t visible = pos[r] - c0 + 1; /* keys j < visible are seen */
+        for (int64_t j = visible < 0 ? 0 : visible; j < NK; j++) s[r][j] = MASKED;
+        __m256 mv = _mm256_loadu_ps(s[r]);
+        for (int j = 8; j < NK; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s[r] + j));
+        const float chunk_max = hmax8(mv), m_new = chunk_max > m[r] ? chunk_max : m[r];
+        const __m256 mb = _mm256_set1_ps(m_new);
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < NK; j += 8) {
+            const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s[r] + j), mb));
+            _mm256_storeu_ps(s[r] + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        alpha[r] = expf(m[r] - m_new);
+        l[r] = l[r] * alpha[r] + hsum8(sum);
+        m[r] = m_new;
+    }
+}
+
+struct job {
+    const void *q, *k, *v;
+    const int64_t *table;
+    float *out;
+    int64_t context_len;
+    int qlen, H, KVH, D, BS, bf16, rows_per_block, blocks_per_head;
+    float scale;
+    atomic_int failed;
+};
+
+/* kt[d][j] and vf[j][d] for keys c0..c0+NK of KV head kh, zero past the context. */
+static void widen_chunk(const struct job *jb, int kh, int64_t c0, float *kt, float *vf) {
+    const int D = jb->D;
+    const int64_t row = (int64_t)jb->KVH * D;
+    for (int j = 0; j < NK; j++) {
+        const int64_t t = c0 + j;
+        if (t >= jb->context_len) {
+            for (int d = 0; d < D; d++) kt[d * NK + j] = 0.f;
+            memset(vf + j * D, 0, sizeof(float) * D);
+            continue;
+        }
+        const int64_t at = (jb->table[t / jb->BS] * jb->BS + t % jb->BS) * row + kh * D;
+        if (jb->bf16) {
+            const uint16_t *kr = (const uint16_t *)jb->k + at, *vr = (const uint16_t *)jb->v + at;
+            for (int d = 0; d < D; d += 8) {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, widen8_bf16(kr + d));
+                for (int i = 0; i < 8; i++) kt[(d + i) * NK + j] = lanes[i];
+                _mm256_storeu_ps(vf + j * D + d, widen8_bf16(vr + d));
+            }
+        } else {
+            const float *kr = (const float *)jb->k + at, *vr = (const float *)jb->v + at;
+            for (int d = 0; d < D; d++) kt[d * NK + j] = kr[d];
+            memcpy(vf + j * D, vr, sizeof(float) * D);
+        }
+    }
+}
+
+/* One task: the query rows [r0, r1) of KV head kh. Scratch is the task's own. */
+static int run_rows(const struct job *jb, int kh, int r0, int r1) {
+    const int D = jb->D, H = jb->H, group = H / jb->KVH, n = r1 - r0, tiles = (n + MR - 1) / MR;
+    float *q = calloc((size_t)tiles * MR * D, sizeof(float));
+    float *o = calloc((size_t)tiles * MR * D, sizeof(float));
+    float *kt = malloc(sizeof(float) * NK * D), *vf = malloc(sizeof(float) * NK * D);
+    float *m = malloc(sizeof(float) * tiles * MR), *l = calloc((size_t)tiles * MR, sizeof(float));
+    int64_t *pos = malloc(sizeof(int64_t) * tiles * MR);
+    int rc = -1;
+    if (!q || !o || !kt || !vf || !m || !l || !pos) goto done;
+    const int64_t first = jb->context_len - jb->qlen;
+    for (int r = 0; r < tiles * MR; r++) {
+        const int rr = r0 + (r < n ? r : n - 1), i = rr / group, h = kh * group + rr % group;
+        pos[r] = first + i;
+        m[r] = MASKED;
+        if (r >= n) continue; /* padding rows: zero queries, outputs dropped */
+        const int64_t at = ((int64_t)i * H + h) * D;
+        for (int d = 0; d < D; d++)
+            q[r * D + d] = jb->scale * (jb->bf16 ? bf16_to_f32(((const uint16_t *)jb->q)[at + d])
+                                                  : ((const float *)jb->q)[at + d]);
+    }
+    float s[MR][NK], alpha[MR];
+    for (int64_t c0 = 0; c0 <= pos[tiles * MR - 1]; c0 += NK) {
+        widen_chunk(jb, kh, c0, kt, vf);
+        for (int t = 0; t < tiles; t++) {
+            if (c0 > pos[t * MR + MR - 1]) continue; /* every row of the tile is before this chunk */
+            const int64_t reach = pos[t * MR + MR - 1] - c0 + 1;
+            tile_scores(q + t * MR * D, kt, D, s);
+            tile_softmax(s, pos + t * MR, c0, m + t * MR, l + t * MR, alpha);
+            tile_pv(s, alpha, vf, reach < NK ? (int)reach : NK, D, o + t * MR * D);
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        const int rr = r0 + r, i = rr / group, h = kh * group + rr % group;
+        const float inv = 1.f / l[r];
+        float *dst = jb->out + ((int64_t)i * H + h) * D;
+        for (int d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+    }
+    rc = 0;
+done:
+    free(q); free(o); free(kt); free(vf); free(m); free(l); free(pos);
+    return rc;
+}
+
+/* Tasks in descending row blocks: the last rows see the most keys, so they go first. */
+static void run_task(void *ctx, int task) {
+    struct job *jb = ctx;
+    const int kh = task % jb->KVH, block = jb->blocks_per_head - 1 - task / jb->KVH;
+    const int rows = jb->qlen * (jb->H / jb->KVH), r0 = block * jb->rows_per_block;
+    const int r1 = r0 + jb->rows_per_block < rows ? r0 + jb->rows_per_block : rows;
+    if (run_rows(jb, kh, r0, r1)) atomic_store(&jb->failed, 1);
+}
+
+static int prefill(const void *q, const void *k, const void *v, const int64_t *table, float *out,
+                   int64_t context_len, int qlen, int H, int KVH, int D, int BS, float scale, int threads, int bf16) {
+    if (D % 16 || D > MAX_D || KVH <= 0 || H % KVH || qlen <= 0 || context_len < qlen) return -2;
+    struct job jb = {.q = q, .k = k, .v = v, .table = table, .out = out, .context_len = context_len,
+                     .qlen = qlen, .H = H, .KVH = KVH, .D = D, .BS = BS, .bf16 = bf16, .scale = scale};
+    atomic_init(&jb.failed, 0);
+    const int rows = qlen * (H / KVH);
+    int per_block = ROW_BLOCK_BYTES / (int)(2 * sizeof(float) * D) / MR * MR;
+    /* enough tasks for every thread, when the heads alone are too few */
+    while (per_block > MR && (int64_t)KVH * ((rows + per_block - 1) / per_block) < threads) per_block -= MR;
+    jb.rows_per_block = per_block;
+    jb.blocks_per_head = (rows + per_block - 1) / per_block;
+    parallel_for(run_task, &jb, KVH * jb.blocks_per_head, threads < 1 ? 1 : threads);
+    return atomic_load(&jb.failed) ? -1 : 0;
+}
+#define HAVE_KERNEL 1
+#else
+#define HAVE_KERNEL 0
+#endif
+
+int tm_prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table,
+                              float *out, int64_t context_len, int qlen, int H, int KVH, int D, int BS,
+                              float scale, int threads) {
+#if HAVE_KERNEL
+    return prefill(q, k, v, table, out, context_len, qlen, H, KVH, D, BS, scale, threads, 1);
+#else
+    return -2;
+#endif
+}
+
+int tm_prefill_attention_f32(const float *q, const float *k, const float *v, const int64_t *table,
+                             float *out, int64_t context_len, int qlen, int H, int KVH, int D, int BS,
+                             float scale, int threads) {
+#if HAVE_KERNEL
+    return prefill(q, k, v, table, out, context_len, qlen, H, KVH, D, BS, scale, threads, 0);
+#else
+    return -2;
+#endif
+}

@@ -1,0 +1,67 @@
+"""Prefill attention through `prefill_attention.c`: one sequence's new queries against its
+whole cached context, flash-style over the paged K/V in place, on `torch.get_num_threads()`
+threads.
+
+`supported()` says where it runs (AVX2+FMA builds, head_dim a multiple of 16 up to 256, bf16
+or fp32); elsewhere callers keep PyTorch's attention.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+from tokenmill.engine.kernels import MAX_HEAD_DIM, load_library
+
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = load_library("prefill_attention.c")
+    if lib is None:
+        return None
+    args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+    for name in ("tm_prefill_attention_bf16", "tm_prefill_attention_f32"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
+@cache
+def _vectorised() -> bool:
+    """Whether this build has the kernel (probed once on a 1-token context)."""
+    lib = _library()
+    if lib is None:
+        return False
+    one = torch.zeros(1, 1, 1, 16)
+    out = torch.empty(1, 1, 16)
+    table = torch.zeros(1, dtype=torch.int64)
+    return lib.tm_prefill_attention_f32(one.data_ptr(), one.data_ptr(), one.data_ptr(), table.data_ptr(),
+                                        out.data_ptr(), 1, 1, 1, 1, 16, 1, 1.0, 1) == 0
+
+
+def supported(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in DTYPES and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM and _vectorised()
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                      context_len: int, scale: float) -> torch.Tensor:
+    """q [Q, H, D] (the last Q positions of the context); k/v_cache [blocks, block_size, KVH, D]
+    (contiguous, q's dtype); block_ids int64 covering `context_len` tokens -> [Q, H, D] fp32."""
+    lib = _library()
+    qlen, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if lib is None or not supported(q.dtype, dim) or k_cache.dtype != q.dtype or heads % kv_heads:
+        raise ValueError(f"no prefill kernel for {q.dtype}, heads {heads}, kv heads {kv_heads}, head_dim {dim}")
+    if not qlen <= context_len <= block_ids.numel() * block_size:
+        raise ValueError(f"{qlen} queries on a context of {context_len} in {block_ids.numel()} blocks")
+    fn = lib.tm_prefill_attention_bf16 if q.dtype == torch.bfloat16 else lib.tm_prefill_attention_f32
+    q, table = q.contiguous(), block_ids.to(torch.int64).contiguous()
+    out = torch.empty(qlen, heads, dim, dtype=torch.float32)
+    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), out.data_ptr(),
+            context_len, qlen, heads, kv_heads, dim, block_size, scale, torch.get_num_threads())
+    if rc:
+        raise MemoryError("native prefill attention could not allocate its scratch buffers")
+    return out
