@@ -146,6 +146,9 @@ def _check_topology(args: argparse.Namespace) -> None:
     if args.api_servers > 1 and args.port == 0:
         raise ValueError("--api-servers > 1 needs a fixed --port: the servers share it")
     if args.prefill or args.decode:
+        if args.tp > 1 or args.ep > 1:
+            raise ValueError(f"{'--tp' if args.tp > 1 else '--ep'}: disaggregated serving moves KV from one "
+                             "process's cache; a parallel worker's KV is split between ranks (not yet supported)")
         if args.prefill < 1 or args.decode < 1:
             raise ValueError("--prefill and --decode go together, each at least 1")
         if args.workers != 1:

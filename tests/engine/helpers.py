@@ -42,7 +42,7 @@ def prompt_logits(engine: LLMEngine, tokens: list[int]) -> torch.Tensor:
     pos = torch.arange(n)
     batch = AttentionBatch(blocks[pos // bs] * bs + pos % bs, [SeqSpan(0, n, n, blocks)],
                            native_prefill=runner.native_prefill)
-    return runner.model(torch.tensor(tokens), pos, runner.kv_cache, batch, pos)
+    return runner.forward(torch.tensor(tokens), pos, batch, pos)
 
 
 def prompts(engine: LLMEngine, count: int, seed: int = 0, low: int = 5, high: int = 120) -> list[list[int]]:

@@ -80,8 +80,29 @@ def test_bad_expert_ids_and_shapes_are_refused() -> None:
     w13, w2 = grouped_experts.pack_panels(torch.ones(2, 8, 4)), grouped_experts.pack_panels(torch.ones(2, 4, 4))
     with pytest.raises(ValueError, match="expert ids"):
         grouped_experts.moe_experts(torch.ones(1, 4), torch.tensor([[2]]), torch.ones(1, 1), w13, w2, 4)
+    with pytest.raises(ValueError, match="expert ids"):
+        grouped_experts.moe_experts(torch.ones(1, 4), torch.tensor([[-2]]), torch.ones(1, 1), w13, w2, 4)
     with pytest.raises(ValueError, match="do not fit"):
         grouped_experts.moe_experts(torch.ones(1, 5), torch.tensor([[1]]), torch.ones(1, 1), w13, w2, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_assignments_to_another_ranks_experts_are_skipped(dtype: torch.dtype) -> None:
+    """Id -1 (an expert another rank holds) adds nothing: the same as that assignment with weight 0."""
+    g = torch.Generator().manual_seed(3)
+    w13 = (torch.randn(4, 16, 8, generator=g) / 4).to(dtype)
+    w2 = (torch.randn(4, 8, 8, generator=g) / 4).to(dtype)
+    x = torch.randn(9, 8, generator=g)
+    ids = torch.randint(0, 4, (9, 2), generator=g)
+    ids[::2, 0] = -1
+    ids[3] = -1  # a token with no local expert at all
+    weights = torch.rand(9, 2, generator=g)
+    got = grouped_experts.moe_experts(x, ids, weights, grouped_experts.pack_panels(w13),
+                                      grouped_experts.pack_panels(w2), 8)
+    kept = torch.where(ids >= 0, weights, torch.zeros_like(weights))
+    ref = _reference_moe(x, ids.clamp(min=0), kept, w13, w2).float()
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[3], torch.zeros(8))
 
 
 def _layer(dtype: torch.dtype, seed: int = 0) -> SparseMoE:

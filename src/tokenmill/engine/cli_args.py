@@ -35,6 +35,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mock-speedup", type=float, default=None, metavar="K",
                    help="mock runner: run K times faster than modelled time (waits seconds/K; default 1)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes) per worker")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks per worker (MoE; with --tp, the same ranks)")
     add_tier_arguments(parser)
 
 
@@ -51,20 +54,26 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0") -> EngineConfig:
-    """Raises ValueError naming the flag for bad values. A `--mock-profile` is checked for
-    form here and resolved by the worker (`worker.mock_profile.resolve_mock_profile`)."""
+    """Raises ValueError naming the flag for bad values (a parallel layout against the model's
+    config.json too). A `--mock-profile` is checked for form here and resolved by the worker
+    (`worker.mock_profile.resolve_mock_profile`)."""
     _check_mock_flags(args)
-    return EngineConfig(
+    config = EngineConfig(
         model=args.model, dtype=args.dtype, threads=args.threads, block_size=args.block_size,
         num_kv_blocks=args.kv_cache_blocks, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, runner=args.runner,
         mock_step_time=parse_step_time(args.mock_step_time), mock_speedup=mock_speedup(args),
-        seed=args.seed, worker_id=worker_id,
+        seed=args.seed, tp=args.tp, ep=args.ep, worker_id=worker_id,
         kv_host_gb=args.kv_host_gb, kv_disk_dir=args.kv_disk_dir, kv_disk_gb=args.kv_disk_gb,
         kv_shared=args.kv_shared, kv_shared_gb=args.kv_shared_gb, kv_write_through=args.kv_write_through,
         kv_pin_file=args.kv_pin_file,
     )
+    if config.tp > 1 or config.ep > 1:
+        from tokenmill.engine.parallel.shard import check_layout
+
+        check_layout(config)
+    return config
 
 
 def mock_speedup(args: argparse.Namespace) -> float:
@@ -100,7 +109,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     """The same knobs as flags again, to pass through to worker processes."""
     argv = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--runner", args.runner, "--seed", str(args.seed)]
+            "--runner", args.runner, "--seed", str(args.seed), "--tp", str(args.tp), "--ep", str(args.ep)]
     optional = {"--threads": args.threads, "--kv-cache-blocks": args.kv_cache_blocks,
                 "--kv-cache-gb": args.kv_cache_gb, "--max-model-len": args.max_model_len,
                 "--mock-step-time": args.mock_step_time, "--mock-profile": args.mock_profile,

@@ -37,6 +37,11 @@ class EngineConfig:
     mock_sleep: bool = True
     mock_speedup: float = 1.0  # the mock runner waits modelled seconds / mock_speedup
     seed: int = 0
+    tp: int = 1  # tensor-parallel ranks (processes) of this worker
+    ep: int = 1  # expert-parallel ranks: the same group as tp when both are > 1
+    # a worker process exits when a rank is lost (its supervisor restarts it whole, its requests
+    # migrate); an embedded engine raises from step() instead
+    exit_on_rank_loss: bool = False
     worker_id: str = "worker-0"
     hash_seed: int = 0
     # KV tiers below the device pool (engine/kv_tiers_wiring.py); all off by default

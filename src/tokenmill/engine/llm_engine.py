@@ -109,6 +109,10 @@ class LLMEngine:
         from tokenmill.engine.weights import load_model
 
         dtype = self.config.torch_dtype(cfg)
+        if self.config.tp > 1 or self.config.ep > 1:
+            from tokenmill.engine.parallel.start import parallel_runner
+
+            return parallel_runner(self.config, cfg, dtype, num_blocks, self.max_model_len, kv_allocator)
         model = load_model(self.config.model, cfg, dtype, self.max_model_len)
         return TorchModelRunner(model, cfg, num_blocks, self.config.block_size, dtype, self.config.seed,
                                 kv_allocator)
@@ -211,10 +215,11 @@ class LLMEngine:
         return self.tiers.pin_prefix(token_ids)
 
     def close(self) -> None:
-        """Finish queued KV offloads and release the tiers (a no-op without tiers)."""
+        """Finish queued KV offloads and release the tiers; stop a parallel runner's ranks."""
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None
+        self.runner.close()
 
     # -- stepping -------------------------------------------------------------------------
 

@@ -75,6 +75,9 @@ class MockRunner:
         self._last_ids: set[str] = set()
         self._pending_end: float | None = None
 
+    def close(self) -> None:
+        """Nothing to release."""
+
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
         seconds = self.clock.seconds(step_work(out))
         self.modelled_seconds += seconds

@@ -44,7 +44,7 @@ class TorchModelRunner:
         sampling = [s for s in out.seqs if s.samples]
         guided = [i for i, s in enumerate(sampling) if s.request.matcher is not None]
         masks = self._masks().start([sampling[i].request.matcher for i in guided]) if guided else None
-        logits = self.model(input_ids, positions, self.kv_cache, batch, logits_rows)
+        logits = self.forward(input_ids, positions, batch, logits_rows)
         rows = [SampleRow(s.request.params, s.request.output_offset + len(s.request.output_token_ids),
                           s.request.all_output_token_ids if s.request.params.penalised else (),
                           s.request.prompt_token_ids)
@@ -52,6 +52,14 @@ class TorchModelRunner:
         allowed = (guided, torch.from_numpy(masks.result())) if masks is not None else None
         tokens, logprobs = sample(logits, rows, self.generator, allowed)
         return {s.request.request_id: (t, lp) for s, t, lp in zip(sampling, tokens, logprobs)}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                logits_rows: torch.Tensor) -> torch.Tensor:
+        """The model's forward pass on this runner's KV cache: logits of `logits_rows`."""
+        return self.model(input_ids, positions, self.kv_cache, batch, logits_rows)
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (a parallel runner's ranks)."""
 
     def _masks(self) -> MaskComputer:
         if self.mask_computer is None:

@@ -24,3 +24,7 @@ class ModelRunner(Protocol):
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
         """Compute the step; return a token for every request whose step reached its end."""
         ...
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (a parallel runner's other ranks)."""
+        ...

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -18,6 +18,8 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 
 from tokenmill.engine.models.moe import SparseMoE
+from tokenmill.engine.parallel.shard import Shard
+from tokenmill.engine.parallel.shard_weights import Index, Part, local_name, source_index
 from tokenmill.engine.models.native_linear import NativeLinear
 from tokenmill.engine.models.transformer import CausalLM, RotaryEmbedding
 from tokenmill.textgen.model_config import ModelConfig
@@ -51,26 +53,44 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
+def iter_tensors(files: list[Path], index: Callable[[str], Index] | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor | Part, Path]]:
+    """(name, tensor, file) for every tensor; with `index`, only the part it names is read
+    (or a `Part` marker instead of a tensor)."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name), path
+                    part = index(name) if index is not None else None
+                    if isinstance(part, Part):
+                        yield name, part, path
+                    else:
+                        yield name, f.get_tensor(name) if part is None else f.get_slice(name)[part], path
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise CheckpointError(f"{path}: corrupt or unreadable safetensors file ({exc})") from exc
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> CausalLM:
+def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
+               shard: Shard | None = None) -> CausalLM:
+    """The whole model, or with `shard` one rank's part of it (reading only that part)."""
+    local = cfg if shard is None else shard.local_config(cfg)
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
+        model = CausalLM(local, max_positions, None if shard is None else shard.experts)
     model = model.to_empty(device="cpu").to(dtype)
     model.rotary = RotaryEmbedding(cfg, max_positions)
     params = dict(model.named_parameters())
     expected = set(expected_tensor_names(cfg))
     seen: set[str] = set()
-    for name, tensor, path in iter_tensors(checkpoint_files(Path(model_dir))):
-        dst = _destination(name, params, cfg)
+    index = None if shard is None else (lambda n: source_index(shard, cfg, n))
+    for name, tensor, path in iter_tensors(checkpoint_files(Path(model_dir)), index):
+        dst = None if tensor is Part.SKIP else \
+            _destination(name if shard is None else local_name(shard, name), params, local)
+        if isinstance(tensor, Part):  # another rank's expert, or a bias only rank 0 adds
+            if dst is not None:
+                with torch.no_grad():
+                    dst.zero_()
+            seen.update(_names_covered(name, cfg))
+            continue
         if dst is None:
             if not _IGNORED.match(name):
                 log.warning("%s: ignoring unexpected tensor %s", path, name)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     try:
         config, clock = resolve_mock_profile(engine_config_from_args(args, args.worker_id), args.mock_profile)
+        config = dataclasses.replace(config, exit_on_rank_loss=True)
         discovery = discovery_from_url(args.discovery, args.discovery_ttl_s)
         settings = WorkerSettings(args.worker_id, args.address, name, role=args.role, max_queue=args.max_queue,
                                   parent_pid=args.parent_pid, events_address=args.events_address,

@@ -16,7 +16,9 @@
  *                     P13 [E] x packed [2I, H], P2 [E] x packed [H, I], out [T, H] f32,
  *                     T, topk, E, H, I, threads)
  *       out[t] = sum_k weights[t,k] * W2[e] (silu(g) * u),  [g | u] = W13[e] x[t],  e = ids[t,k]
- * Both return 0, or -1 when scratch memory could not be allocated.
+ *       (an id of -1 is skipped: on an expert-parallel rank, another rank's expert)
+ * Both return 0, or -1 when scratch memory could not be allocated; tm_moe -2 for an id
+ * outside [-1, E).
  */
 #include <math.h>
 #include <stdint.h>
@@ -169,15 +171,16 @@ DEFINE_LINEAR(tm_linear_f32, float, 0)
 /* Clamped: exp(-g) overflows below g = -88, and the build assumes finite math. */
 static inline float silu(float g) { return g < -80.f ? 0.f : g / (1.f + expf(-g)); }
 
-/* Assignments (t, k) grouped by expert, in token order within an expert: order[start[e]..start[e+1]). */
+/* Assignments (t, k) grouped by expert, in token order within an expert: order[start[e]..start[e+1]).
+ * Id -1 (an expert another rank holds) is left out: start[E] counts the others. */
 static int group_by_expert(const int64_t *ids, int A, int E, int *start, int *order) {
     int *fill = malloc(sizeof(int) * (E ? E : 1));
     if (!fill) return -1;
     memset(start, 0, sizeof(int) * (E + 1));
-    for (int a = 0; a < A; a++) start[ids[a] + 1]++;
+    for (int a = 0; a < A; a++) if (ids[a] >= 0) start[ids[a] + 1]++;
     for (int e = 0; e < E; e++) start[e + 1] += start[e];
     memcpy(fill, start, sizeof(int) * E);
-    for (int a = 0; a < A; a++) order[fill[ids[a]]++] = a;
+    for (int a = 0; a < A; a++) if (ids[a] >= 0) order[fill[ids[a]]++] = a;
     free(fill);
     return 0;
 }
@@ -225,11 +228,11 @@ int NAME(const float *x, const int64_t *ids, const float *weights, const T *p13,
     const float **hr = malloc(sizeof(float *) * (A ? A : 1));                                \
     int rc = -1;                                                                             \
     if (!start || !order || !gu || !h || !yd || !xr || !gr || !yr || !hr) goto done;         \
-    for (int a = 0; a < A; a++) if (ids[a] < 0 || ids[a] >= E) { rc = -2; goto done; }       \
+    for (int a = 0; a < A; a++) if (ids[a] < -1 || ids[a] >= E) { rc = -2; goto done; }      \
     if (group_by_expert(ids, A, E, start, order)) goto done;                                 \
     int active = 0;                                                                          \
     for (int e = 0; e < E; e++) active += start[e + 1] > start[e];                           \
-    for (int i = 0; i < A; i++) {                                                            \
+    for (int i = 0; i < start[E]; i++) {                                                     \
         xr[i] = x + (size_t)(order[i] / topk) * H;                                           \
         gr[i] = gu + (size_t)i * 2 * I; hr[i] = h + (size_t)i * I; yr[i] = yd + (size_t)i * H; \
     }                                                                                        \
@@ -237,7 +240,7 @@ int NAME(const float *x, const int64_t *ids, const float *weights, const T *p13,
                          .p2 = p2, .s13 = s13, .s2 = s2, .H = H, .I = I, .bf16 = BF16};      \
     parallel_for(expert_task, &jb, E, threads_for((s13 + s2) * sizeof(T) * active, threads)); \
     memset(out, 0, sizeof(float) * (size_t)Tn * H);                                          \
-    for (int i = 0; i < A; i++) {                                                            \
+    for (int i = 0; i < start[E]; i++) {                                                     \
         const float w = weights[order[i]];                                                   \
         float *o = out + (size_t)(order[i] / topk) * H;                                      \
         for (int c = 0; c < H; c++) o[c] += w * yr[i][c];                                    \

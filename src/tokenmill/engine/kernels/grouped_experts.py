@@ -82,7 +82,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Te
 
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, packed_gate_up: torch.Tensor,
                 packed_down: torch.Tensor, intermediate: int) -> torch.Tensor:
-    """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = expert_ids[t, k].
+    """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = expert_ids[t, k];
+    an id of -1 is skipped (another rank's expert).
 
     x [T, H]; expert_ids [T, top_k] int64; weights [T, top_k]; packed_gate_up [E, ceil(2I/16), H, 16]
     (gate rows first, then up); packed_down [E, ceil(H/16), I, 16]. -> [T, H] fp32."""
@@ -99,7 +100,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
                                           packed_down.data_ptr(), out.data_ptr(), tokens, ids.shape[1],
                                           num_experts, hidden, intermediate, torch.get_num_threads())
     if rc == -2:
-        raise ValueError(f"expert ids must lie in [0, {num_experts})")
+        raise ValueError(f"expert ids must lie in [0, {num_experts}), or be -1 (skipped)")
     if rc:
         raise MemoryError("native MoE kernel could not allocate its scratch buffers")
     return out

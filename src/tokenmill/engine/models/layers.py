@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class GatedMLP(nn.Module):
     """SiLU-gated MLP with gate and up projections fused into one matmul."""
+    # set on a rank of a tensor-parallel worker: sums the ranks' partial down_proj outputs
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
@@ -83,4 +86,5 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.reduce is None else self.reduce(out)

@@ -11,6 +11,8 @@ All three compute the same function; the native path keeps its sums in fp32 thro
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,15 +22,22 @@ from tokenmill.engine.kernels.packed_linear import PackedLinear, bf16_packing_av
 from tokenmill.textgen.model_config import MoEConfig
 
 class SparseMoE(nn.Module):
-    """Top-k softmax router; each expert runs only on the tokens routed to it."""
+    """Top-k softmax router; each expert runs only on the tokens routed to it.
 
-    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+    On an expert-parallel rank it holds only `local_experts` = [first, stop): the router still
+    scores every expert, the assignments to other ranks' experts are skipped here, and `reduce`
+    (set by the rank) sums the ranks' partial outputs. Tensor-parallel ranks hold every expert
+    with a slice of its intermediate size, and reduce the same way."""
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __init__(self, hidden: int, moe: MoEConfig, local_experts: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
-        self.num_experts, self.intermediate = moe.num_experts, moe.intermediate_size
+        self.first_expert, stop = local_experts or (0, moe.num_experts)
+        self.num_experts, self.intermediate = stop - self.first_expert, moe.intermediate_size
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
-        self.w_gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, hidden))
-        self.w_down = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.intermediate_size))
+        self.w_gate_up = nn.Parameter(torch.empty(self.num_experts, 2 * moe.intermediate_size, hidden))
+        self.w_down = nn.Parameter(torch.empty(self.num_experts, hidden, moe.intermediate_size))
         self._packed: tuple[list[PackedLinear], list[PackedLinear]] | None = None
         self._panels: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None
 
@@ -43,18 +52,29 @@ class SparseMoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        experts = self._local_ids(experts)
         panels = self._native_panels(x)
         if panels is not None:
             out = grouped_experts.moe_experts(x, experts, weights, panels[0], panels[1], self.intermediate)
-            return out.to(x.dtype)
-        return self._per_expert(x, experts, weights.to(x.dtype))
+            out = out.to(x.dtype)
+        else:
+            out = self._per_expert(x, experts, weights.to(x.dtype))
+        return out if self.reduce is None else self.reduce(out)
+
+    def _local_ids(self, experts: torch.Tensor) -> torch.Tensor:
+        """Expert ids in this module's numbering; -1 for experts another rank holds."""
+        if self.first_expert == 0 and self.num_experts == self.gate.out_features:
+            return experts
+        local = experts - self.first_expert
+        return torch.where((local >= 0) & (local < self.num_experts), local, -1)
 
     def _per_expert(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert, one dense GEMM per expert on its contiguous slice, then
-        scattered back weighted by the router."""
+        scattered back weighted by the router. Assignments to id -1 (another rank's) are skipped."""
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        order = order[flat[order] >= 0]
+        counts = torch.bincount(flat[order], minlength=self.num_experts).tolist()
         token_of = order // self.top_k
         xs = x.index_select(0, token_of)
         outs = torch.empty_like(xs)

@@ -6,6 +6,8 @@ step (all sequences' new tokens concatenated) plus an `AttentionBatch`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -17,6 +19,9 @@ from tokenmill.textgen.model_config import ModelConfig
 
 
 class Attention(nn.Module):
+    # set on a rank of a tensor-parallel worker: sums the ranks' partial o_proj outputs
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -42,18 +47,19 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(kv_layer, k, v, batch.slot_mapping)
-        return self.o_proj(paged_attention(q, kv_layer, batch, self.scale))
+        out = self.o_proj(paged_attention(q, kv_layer, batch, self.scale))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, local_experts: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module
         if cfg.moe is not None and index in cfg.moe.sparse_layers:
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe)
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, local_experts)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
@@ -69,11 +75,12 @@ class CausalLM(nn.Module):
     """Parameter names mirror HF's (`model.layers.N...`, `lm_head`) except the fused
     `qkv_proj`, `gate_up_proj` and stacked expert weights, which the loader builds."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, local_experts: tuple[int, int] | None = None) -> None:
+        """`local_experts`: on an expert-parallel rank, the range of experts it holds."""
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, local_experts) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = NativeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg, max_positions)

@@ -1,0 +1,52 @@
+"""The ranks of one worker as a gloo process group on loopback, and the collectives the
+forward pass needs: all-reduce of partial sums, and rank 0's step broadcast as bytes.
+
+Each worker makes its own group object (a TCPStore on a free port, `ProcessGroupGloo` on
+127.0.0.1) instead of torch.distributed's process-wide default group, so several engines can
+live in one process (the tests do) and nothing global is mutated. A collective waits at most
+`timeout`: a rank whose peer died raises instead of hanging.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+IDLE_WAIT = timedelta(days=7)  # a follower between steps: bounded only by its peers' liveness
+
+
+class RankGroup:
+    def __init__(self, rank: int, world: int, port: int, timeout: timedelta = DEFAULT_TIMEOUT,
+                 store: dist.TCPStore | None = None) -> None:
+        """Rank 0 passes the store it created (`listen`); the others connect to `port`."""
+        self.rank, self.world = rank, world
+        self.store = store or dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        options._timeout = timeout
+        self.group = dist.ProcessGroupGloo(self.store, rank, world, options)
+
+    @staticmethod
+    def listen(world: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+        """Rank 0's store on a free loopback port (`.port`), made before the other ranks start."""
+        return dist.TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, summed in fp32 (gloo has no bf16 sum) and returned in t's dtype."""
+        buf = t.float().contiguous()
+        self.group.allreduce([buf]).wait()
+        return buf.to(t.dtype)
+
+    def broadcast_bytes(self, data: bytes | None, wait: timedelta | None = None) -> bytes:
+        """Rank 0 sends `data`; every rank returns it. `wait` replaces the group's timeout for
+        the first message (a follower idles there between steps; a peer that dies still fails
+        it at once: its connection closes)."""
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        self.group.broadcast(size, 0, wait).wait()
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data \
+            else torch.empty(int(size.item()), dtype=torch.uint8)
+        if buf.numel():
+            self.group.broadcast(buf, 0).wait()
+        return buf.numpy().tobytes()

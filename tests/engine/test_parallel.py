@@ -1,0 +1,60 @@
+"""Tensor- and expert-parallel workers (two rank processes on a gloo group) against the
+single-process engine and transformers, their shutdown, and a rank killed mid-run."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.engine.helpers import GREEDY, make_engine, prompt_logits, prompts
+from tokenmill.engine.parallel.ranks import ParallelRunner
+from tokenmill.textgen.sampling import SamplingParams
+
+LAYOUTS = [("tiny-dense", 2, 1), ("tiny-llama", 2, 1), ("tiny-moe", 2, 1), ("tiny-moe", 1, 2), ("tiny-moe", 2, 2)]
+
+
+@pytest.mark.parametrize(("preset", "tp", "ep"), LAYOUTS, ids=[f"{p}-tp{t}-ep{e}" for p, t, e in LAYOUTS])
+def test_parallel_logits_and_outputs_match_one_process_and_transformers(model_dirs: dict[str, Path], preset: str,
+                                                                        tp: int, ep: int) -> None:
+    single = make_engine(model_dirs[preset])
+    parallel = make_engine(model_dirs[preset], tp=tp, ep=ep)
+    try:
+        assert isinstance(parallel.runner, ParallelRunner)
+        hf = AutoModelForCausalLM.from_pretrained(model_dirs[preset], dtype=torch.float32).eval()
+        tokens = prompts(single, 1, seed=4, low=30, high=90)[0]
+        ours = prompt_logits(parallel, tokens)
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens])).logits[0].float()
+        assert (ours - prompt_logits(single, tokens)).abs().max().item() <= 1e-4
+        assert (ours - ref).abs().max().item() <= 1e-4
+        # mixed lengths batched together, decoding 64 tokens each, chunked prefill included
+        batch = prompts(single, 4, seed=6)
+        assert parallel.generate(batch, GREEDY) == single.generate(batch, GREEDY)
+        procs = parallel.runner.ranks.procs
+    finally:
+        parallel.close()
+    assert [p.returncode for p in procs] == [0]
+
+
+def test_a_killed_rank_fails_the_worker_instead_of_hanging(tiny_moe: Path) -> None:
+    """SIGKILL of rank 1: rank 0's next step raises within the group's timeout (its peer's
+    connection closes), and closing afterwards leaves no process behind."""
+    engine = make_engine(tiny_moe, tp=2)
+    proc = engine.runner.ranks.procs[0]
+    try:
+        batch = prompts(engine, 2, seed=8)
+        engine.generate(batch, GREEDY)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            engine.generate(batch, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert time.monotonic() - started < 60  # the group's timeout, not forever
+    finally:
+        engine.close()
+    assert proc.returncode == -signal.SIGKILL

@@ -1,0 +1,70 @@
+"""`tokenmill serve --tp 2 / --ep 2` end to end: the OpenAI client gets the single-process
+engine's text, and SIGKILL of a worker's second rank restarts that worker whole while the
+stream it served migrates without a seam."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.serving.conftest import Server, start_server, stop_server
+from tests.serving.test_serve import _reference, _wait_for
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17]
+
+
+def _ranks_of(worker_pid: int) -> list[int]:
+    """The worker's rank processes (its children running the follower module)."""
+    children = Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
+    return [int(c) for c in children
+            if b"tokenmill.engine.parallel.follower" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--ep"])
+def test_a_parallel_worker_serves_the_single_process_text(tiny_moe: Path, tmp_path: Path, flag: str) -> None:
+    server = start_server(tiny_moe, tmp_path, flag, "2", "--kv-cache-blocks", "256")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert done.choices[0].text == _reference(tiny_moe, PROMPT, 32)
+        assert len(_ranks_of(int(server.registry()[0]["pid"]))) == 1
+    finally:
+        stop_server(server)
+
+
+def test_killing_a_rank_restarts_its_worker_and_the_stream_migrates(tiny_moe: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_moe, tmp_path, "--tp", "2", "--kv-cache-blocks", "256", workers=2)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        undisturbed = _reference(tiny_moe, PROMPT, 600)
+        text, killed = [], None
+        for chunk in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=600, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            text.append(chunk.choices[0].text if chunk.choices else "")
+            if killed is None and len(text) == 40:
+                killed = _kill_rank_of_busy_worker(server)
+        assert killed is not None
+        assert "".join(text) == undisturbed
+        _wait_for(lambda: len(server.registry()) == 2 and all(
+            int(w["pid"]) != killed[0] for w in server.registry()), 90)
+        assert not Path(f"/proc/{killed[0]}").exists()  # the worker went, not just its rank
+    finally:
+        stop_server(server)
+
+
+def _kill_rank_of_busy_worker(server: Server) -> tuple[int, int]:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        busy = [w for w in server.registry() if w["metadata"].get("in_flight", 0) > 0]
+        if busy:
+            worker = int(busy[0]["pid"])
+            rank = _ranks_of(worker)[0]
+            os.kill(rank, signal.SIGKILL)
+            return worker, rank
+        time.sleep(0.05)
+    raise AssertionError("no worker reported the request in flight")
