@@ -76,6 +76,14 @@ def test_profile_splits_decode_and_prefill_steps_by_operator_class(tiny_moe: Pat
     assert report.to_json()["profile"] == profile
 
 
+def test_a_tensor_parallel_run_reports_its_time_in_collectives(tiny_moe: Path, tmp_path: Path) -> None:
+    report = run_engine_bench(tiny_config(tiny_moe, tmp_path / "tp.json", skip_hf=True, tp=2, threads=2))
+    assert report.parallel is not None and (report.parallel["tp"], report.parallel["ep"]) == (2, 1)
+    assert report.parallel["collective_s"] > 0 and 0 < report.parallel["collective_share"] < 1
+    assert report.tokenmill.output_tokens == report.workload.output_tokens
+    assert report.config["tp"] == 2
+
+
 def test_workload_is_seeded_and_in_range(tiny_moe: Path) -> None:
     cfg = tiny_config(tiny_moe, Path("unused.json"))
     a = make_workload(cfg, 512, frozenset({0, 1, 2}))

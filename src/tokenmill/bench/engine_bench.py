@@ -43,7 +43,9 @@ class EngineBenchConfig:
     max_output: int = 256
     seed: int = 0
     dtype: str = "bfloat16"
-    threads: int = 1
+    threads: int = 1  # in all: a parallel engine's ranks share them
+    tp: int = 1
+    ep: int = 1
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     hf_batch_size: int = 16
@@ -56,7 +58,7 @@ class EngineBenchConfig:
             raise ValueError(f"--model {self.model!r}: not a model directory (no config.json)")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
-        for name in ("num_requests", "min_prompt", "min_output", "threads", "max_num_seqs",
+        for name in ("num_requests", "min_prompt", "min_output", "threads", "tp", "ep", "max_num_seqs",
                      "max_num_batched_tokens", "hf_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -157,18 +159,26 @@ def measure_bandwidth_gbps(threads: int) -> float:
 def run_engine_bench(cfg: EngineBenchConfig) -> EngineBenchReport:
     from tokenmill.engine.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.parallel.ranks import ParallelRunner
 
     engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, threads=cfg.threads,
-                                    max_num_seqs=cfg.max_num_seqs,
+                                    max_num_seqs=cfg.max_num_seqs, tp=cfg.tp, ep=cfg.ep,
                                     max_num_batched_tokens=cfg.max_num_batched_tokens))
     _check_fits(cfg, engine.max_model_len)
     special = engine.tokenizer.special_token_ids if engine.tokenizer else frozenset()
     workload = make_workload(cfg, engine.model_config.vocab_size, special)
     log.info("tokenmill: %d requests, %d prompt and %d output tokens", cfg.num_requests,
              sum(map(len, workload.prompts)), sum(workload.output_lens))
+    group = engine.runner.ranks.group if isinstance(engine.runner, ParallelRunner) else None
+    collective_before = group.collective_seconds if group is not None else 0.0
     tokenmill, shapes = run_tokenmill(engine, workload)
+    parallel = None
+    if group is not None:
+        spent = group.collective_seconds - collective_before
+        parallel = {"tp": cfg.tp, "ep": cfg.ep, "collective_s": spent, "collective_share": spent / tokenmill.wall_s}
     profile = profile_engine(engine, workload.prompts, workload.output_lens) if cfg.profile else None
     model_cfg = engine.model_config
+    engine.close()  # a parallel engine's ranks stop here
     del engine  # free its weights and KV cache before transformers loads its copy
     bandwidth = measure_bandwidth_gbps(cfg.threads)
     floor = decode_floor(model_cfg, ITEMSIZE[cfg.dtype], shapes, bandwidth, tokenmill.mean_decode_step_ms)
@@ -178,7 +188,7 @@ def run_engine_bench(cfg: EngineBenchConfig) -> EngineBenchReport:
         hf = run_hf_baseline(cfg.model, cfg.dtype, workload.prompts, workload.output_lens,
                              cfg.hf_batch_size, cfg.hf_max_requests)
     ratio = tokenmill.output_tokens_per_s / hf.useful_output_tokens_per_s if hf else None
-    return EngineBenchReport(asdict(cfg), workload.summary(), tokenmill, hf, ratio, floor, profile)
+    return EngineBenchReport(asdict(cfg), workload.summary(), tokenmill, hf, ratio, floor, profile, parallel)
 
 
 def _check_fits(cfg: EngineBenchConfig, max_model_len: int) -> None:
@@ -193,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", required=True, metavar="OUT", help="write results here")
     defaults = EngineBenchConfig.__dataclass_fields__
     for name in ("num_requests", "min_prompt", "max_prompt", "min_output", "max_output", "seed",
-                 "threads", "max_num_seqs", "max_num_batched_tokens", "hf_batch_size"):
+                 "threads", "tp", "ep", "max_num_seqs", "max_num_batched_tokens", "hf_batch_size"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=defaults[name].default)
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")

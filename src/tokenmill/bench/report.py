@@ -107,6 +107,8 @@ class EngineBenchReport:
     ratio: float | None
     floor: FloorResult | None
     profile: dict[str, Any] | None = None  # --profile: {decode|prefill: {steps, ms: {class: ms/step}}}
+    # --tp/--ep: {"tp", "ep", "collective_s": rank 0's seconds in collectives, "collective_share": of the run}
+    parallel: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self)}
@@ -202,4 +204,8 @@ def _table_rows(r: EngineBenchReport) -> list[tuple[str, str]]:
             ("decode step vs floor", f"{f.mean_decode_step_ms:.2f} ms vs {f.floor_ms:.2f} ms "
                                      f"({f.decode_step_over_floor:.1f}x)"),
         ]
+    if r.parallel is not None:
+        p = r.parallel
+        rows.append((f"tp {p['tp']} / ep {p['ep']}: rank 0 in collectives",
+                     f"{p['collective_s']:.2f} s ({p['collective_share']:.0%} of the run)"))
     return rows

@@ -54,6 +54,11 @@ class EngineConfig:
     kv_pin_file: str | None = None  # JSON lines: a prompt string or a list of token ids
 
     @property
+    def rank_threads(self) -> int | None:
+        """`threads` shared out between a parallel worker's ranks (None: the default)."""
+        return None if self.threads is None else max(1, self.threads // max(self.tp, self.ep))
+
+    @property
     def kv_tiers_enabled(self) -> bool:
         return bool(self.kv_host_gb or self.kv_disk_dir or self.kv_shared)
 

@@ -65,7 +65,7 @@ class LLMEngine:
         if config.threads is not None and config.runner == "torch":
             import torch
 
-            torch.set_num_threads(config.threads)
+            torch.set_num_threads(config.rank_threads)
         self.tokenizer = tokenizer or (Tokenizer(config.model) if load_tokenizer else None)
         num_blocks = config.kv_blocks(self.model_config)
         self.events = events or KVEventEmitter(config.worker_id)

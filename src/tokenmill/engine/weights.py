@@ -18,10 +18,10 @@ from torch import nn
 from safetensors import SafetensorError, safe_open
 
 from tokenmill.engine.models.moe import SparseMoE
-from tokenmill.engine.parallel.shard import Shard
-from tokenmill.engine.parallel.shard_weights import Index, Part, local_name, source_index
 from tokenmill.engine.models.native_linear import NativeLinear
 from tokenmill.engine.models.transformer import CausalLM, RotaryEmbedding
+from tokenmill.engine.parallel.shard import Shard
+from tokenmill.engine.parallel.shard_weights import Index, Part, local_name, source_index
 from tokenmill.textgen.model_config import ModelConfig
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ live in one process (the tests do) and nothing global is mutated. A collective w
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -27,6 +28,7 @@ class RankGroup:
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         options._timeout = timeout
         self.group = dist.ProcessGroupGloo(self.store, rank, world, options)
+        self.collective_seconds = 0.0  # wall time in all-reduces and step broadcasts (benchmarks)
 
     @staticmethod
     def listen(world: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
@@ -35,18 +37,23 @@ class RankGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, summed in fp32 (gloo has no bf16 sum) and returned in t's dtype."""
+        started = time.perf_counter()
         buf = t.float().contiguous()
         self.group.allreduce([buf]).wait()
-        return buf.to(t.dtype)
+        out = buf.to(t.dtype)
+        self.collective_seconds += time.perf_counter() - started
+        return out
 
     def broadcast_bytes(self, data: bytes | None, wait: timedelta | None = None) -> bytes:
         """Rank 0 sends `data`; every rank returns it. `wait` replaces the group's timeout for
         the first message (a follower idles there between steps; a peer that dies still fails
         it at once: its connection closes)."""
+        started = time.perf_counter()
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
         self.group.broadcast(size, 0, wait).wait()
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data \
             else torch.empty(int(size.item()), dtype=torch.uint8)
         if buf.numel():
             self.group.broadcast(buf, 0).wait()
+        self.collective_seconds += time.perf_counter() - started
         return buf.numpy().tobytes()

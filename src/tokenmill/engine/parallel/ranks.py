@@ -19,9 +19,9 @@ from datetime import timedelta
 import torch
 
 from tokenmill.engine.attention import AttentionBatch
-from tokenmill.engine.models.transformer import Attention, CausalLM
 from tokenmill.engine.models.layers import GatedMLP
 from tokenmill.engine.models.moe import SparseMoE
+from tokenmill.engine.models.transformer import Attention, CausalLM
 from tokenmill.engine.parallel.group import DEFAULT_TIMEOUT, RankGroup
 from tokenmill.engine.parallel.shard import ParallelLayout, Shard
 from tokenmill.engine.parallel.step_wire import STOP, pack_step

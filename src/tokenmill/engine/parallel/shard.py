@@ -51,7 +51,7 @@ class ParallelLayout:
             raise LayoutError("--tp" if self.tp >= self.ep else "--ep",
                               f"{self.world} ranks but only {cores} cores: a rank per core at most")
         if self.tp > 1:
-            _check_tp(cfg, self.tp)
+            _check_tp(cfg, self.tp, split_experts=self.ep == 1)
         if self.ep > 1:
             if cfg.moe is None:
                 raise LayoutError("--ep", f"{cfg.architecture} has no experts to split")
@@ -74,14 +74,14 @@ def check_layout(config: EngineConfig) -> ParallelLayout:
     return layout
 
 
-def _check_tp(cfg: ModelConfig, tp: int) -> None:
+def _check_tp(cfg: ModelConfig, tp: int, split_experts: bool) -> None:
     if cfg.num_heads % tp:
         raise LayoutError("--tp", f"{cfg.num_heads} attention heads do not divide into {tp} ranks")
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         raise LayoutError("--tp", f"{cfg.num_kv_heads} KV heads neither divide into {tp} ranks nor divide {tp}")
     if cfg.intermediate_size % tp:
         raise LayoutError("--tp", f"intermediate size {cfg.intermediate_size} does not divide into {tp} ranks")
-    if cfg.moe is not None and cfg.moe.intermediate_size % tp:
+    if split_experts and cfg.moe is not None and cfg.moe.intermediate_size % tp:
         raise LayoutError("--tp", f"expert intermediate size {cfg.moe.intermediate_size} does not divide into {tp}")
 
 

@@ -18,8 +18,8 @@ def parallel_runner(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, 
     if kv_allocator is not None:
         raise ValueError("--tp/--ep: a parallel worker's KV cache is per rank; shared-memory KV "
                          "(disaggregated handoff, KV tiers) does not work with it yet")
-    # the worker's threads shared out between its ranks (rank 0 keeps the engine's own setting)
-    threads = max(1, (config.threads or torch.get_num_threads()) // layout.world)
+    # the worker's threads shared out between its ranks, as rank 0's own (LLMEngine)
+    threads = config.rank_threads or max(1, torch.get_num_threads() // layout.world)
     spec = RankSpec(config.model, config.dtype_name(cfg), layout, num_blocks, config.block_size, max_positions,
                     threads)
     ranks = RankProcesses(spec)
