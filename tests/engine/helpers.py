@@ -51,3 +51,14 @@ def prompts(engine: LLMEngine, count: int, seed: int = 0, low: int = 5, high: in
     lengths = torch.randint(low, high, (count,), generator=g).tolist()
     vocab = engine.model_config.vocab_size
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def outputs_around_doubling_down(moe: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE layer's output on x, then again after its down projections double in place (a
+    reload writing into the parameters): packed copies must follow."""
+    with torch.inference_mode():
+        before = moe(x)
+    with torch.no_grad():
+        moe.w_down.mul_(2)
+    with torch.inference_mode():
+        return before, moe(x)

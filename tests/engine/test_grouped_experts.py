@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.engine.helpers import seeded_moe
+from tests.engine.helpers import outputs_around_doubling_down, seeded_moe
 from tokenmill.engine.kernels import grouped_experts
 from tokenmill.engine.models.moe import SparseMoE
 from tokenmill.engine.models.native_linear import NativeLinear
@@ -133,12 +133,7 @@ def test_the_layer_takes_the_native_path_with_the_per_expert_result(dtype: torch
 def test_weights_changed_in_place_are_repacked() -> None:
     moe = _layer(torch.float32)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        before = moe(x)
-    with torch.no_grad():
-        moe.w_down.mul_(2)
-    with torch.inference_mode():
-        after = moe(x)
+    before, after = outputs_around_doubling_down(moe, x)
     assert torch.allclose(after, 2 * before, atol=1e-5)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.engine.helpers import seeded_moe
+from tests.engine.helpers import outputs_around_doubling_down, seeded_moe
 from tokenmill.engine.kernels.packed_linear import PackedLinear, bf16_packing_available, pack_experts
 from tokenmill.engine.models import moe as layers
 from tokenmill.engine.models.moe import SparseMoE
@@ -60,13 +60,9 @@ def test_moe_repacks_after_weights_change_in_place(monkeypatch: pytest.MonkeyPat
     """A reload that writes into the parameters must not leave stale packed copies in use."""
     moe = _moe()
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    before, after = outputs_around_doubling_down(moe, x)
+    monkeypatch.setattr(layers, "bf16_packing_available", lambda: False)
     with torch.inference_mode():
-        before = moe(x)
-    with torch.no_grad():
-        moe.w_down.mul_(2)
-    with torch.inference_mode():
-        after = moe(x)
-        monkeypatch.setattr(layers, "bf16_packing_available", lambda: False)
         plain = moe(x)
     assert not torch.equal(before, after)
     assert torch.equal(after, plain)

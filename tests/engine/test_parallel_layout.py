@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.helpers import make_engine
 from tokenmill.engine.parallel.shard import LayoutError, ParallelLayout, shard_for
 from tokenmill.engine.parallel.shard_weights import Part, local_name, source_index
 from tokenmill.textgen.model_config import ModelConfig, load_model_config
@@ -81,6 +82,8 @@ def test_a_rank_reads_only_its_slice_of_each_tensor(moe_cfg: ModelConfig) -> Non
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--tp", "3"], "--tp:"),
+    (["--tp", "0"], "--tp: must be at least 1"),
+    (["--ep", "-1"], "--ep: must be at least 1"),
     (["--ep", "3"], "--ep:"),
     (["--tp", str((os.cpu_count() or 1) * 2)], "--tp:"),
     (["--tp", "2", "--runner", "mock"], "--tp: needs --runner torch"),
@@ -93,3 +96,8 @@ def test_serve_refuses_bad_parallel_flags_with_exit_2(tiny_moe: Path, flags: lis
     assert run.returncode == 2, run.stderr
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], run.stderr
+
+
+def test_an_embedded_engine_refuses_a_layout_below_one(tiny_moe: Path) -> None:
+    with pytest.raises(LayoutError, match="--ep: must be at least 1"):
+        make_engine(tiny_moe, ep=0)

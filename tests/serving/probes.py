@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
+import openai
 from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.bench.serve_process import ServeProcess as Server
+
+T = TypeVar("T")
 
 
 def metric(base: str, name: str, **labels: str) -> float:
@@ -27,3 +33,28 @@ def wait(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> N
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
+
+
+def busy_worker_pid(server: Server, timeout_s: float = 5.0) -> int:
+    """The pid of a worker whose heartbeat reports a request in flight."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = [w for w in server.registry() if w["metadata"].get("in_flight", 0) > 0]
+        if busy:
+            return int(busy[0]["pid"])
+        time.sleep(0.05)
+    raise AssertionError("no worker reported the request in flight")
+
+
+def stream_with_a_kill(base: str, prompt: list[int], max_tokens: int, kill: Callable[[], T]) -> tuple[str, T]:
+    """A greedy completion streamed in full, calling `kill` after its 40th chunk: (text, what kill returned)."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    text: list[str] = []
+    killed: T | None = None
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        text.append(chunk.choices[0].text if chunk.choices else "")
+        if killed is None and len(text) == 40:
+            killed = kill()
+    assert killed is not None, "the stream ended before its 40th chunk"
+    return "".join(text), killed

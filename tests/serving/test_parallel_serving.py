@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.serving.conftest import Server, start_server, stop_server
-from tests.serving.test_serve import _reference, _wait_for
+from tests.serving.conftest import start_server, stop_server
+from tests.serving.probes import busy_worker_pid, stream_with_a_kill, wait
+from tests.serving.test_serve import _reference
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
 
@@ -40,31 +40,17 @@ def test_a_parallel_worker_serves_the_single_process_text(tiny_moe: Path, tmp_pa
 def test_killing_a_rank_restarts_its_worker_and_the_stream_migrates(tiny_moe: Path, tmp_path: Path) -> None:
     server = start_server(tiny_moe, tmp_path, "--tp", "2", "--kv-cache-blocks", "256", workers=2)
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         undisturbed = _reference(tiny_moe, PROMPT, 600)
-        text, killed = [], None
-        for chunk in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=600, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True}):
-            text.append(chunk.choices[0].text if chunk.choices else "")
-            if killed is None and len(text) == 40:
-                killed = _kill_rank_of_busy_worker(server)
-        assert killed is not None
-        assert "".join(text) == undisturbed
-        _wait_for(lambda: len(server.registry()) == 2 and all(
-            int(w["pid"]) != killed[0] for w in server.registry()), 90)
-        assert not Path(f"/proc/{killed[0]}").exists()  # the worker went, not just its rank
+
+        def kill_a_rank_of_the_busy_worker() -> int:
+            worker = busy_worker_pid(server)
+            os.kill(_ranks_of(worker)[0], signal.SIGKILL)
+            return worker
+
+        text, worker = stream_with_a_kill(server.url, PROMPT, 600, kill_a_rank_of_the_busy_worker)
+        assert text == undisturbed
+        wait(lambda: len(server.registry()) == 2 and all(int(w["pid"]) != worker for w in server.registry()),
+             "a restarted worker in the killed one's place", 90)
+        assert not Path(f"/proc/{worker}").exists()  # the worker went, not just its rank
     finally:
         stop_server(server)
-
-
-def _kill_rank_of_busy_worker(server: Server) -> tuple[int, int]:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        busy = [w for w in server.registry() if w["metadata"].get("in_flight", 0) > 0]
-        if busy:
-            worker = int(busy[0]["pid"])
-            rank = _ranks_of(worker)[0]
-            os.kill(rank, signal.SIGKILL)
-            return worker, rank
-        time.sleep(0.05)
-    raise AssertionError("no worker reported the request in flight")

@@ -11,6 +11,7 @@ import httpx
 import openai
 
 from tests.serving.conftest import Server
+from tests.serving.probes import busy_worker_pid, stream_with_a_kill
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.textgen.sampling import SamplingParams
@@ -70,29 +71,17 @@ def test_64_concurrent_streams_account_for_every_token(two_worker_server: Server
 
 def test_killing_a_worker_mid_stream_migrates_without_a_visible_seam(two_worker_server: Server,
                                                                       tiny_dense: Path) -> None:
-    client = openai.OpenAI(base_url=two_worker_server.url + "/v1", api_key="none", max_retries=0)
     prompt = [11, 12, 13, 14, 15, 16, 17]
     undisturbed = _reference(tiny_dense, prompt, 1500)
-    text, killed = [], None
-    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=1500, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True}):
-        text.append(chunk.choices[0].text if chunk.choices else "")
-        if killed is None and len(text) == 40:
-            killed = _kill_busy_worker(two_worker_server)
-    assert killed is not None
-    assert "".join(text) == undisturbed
+
+    def kill_busy_worker() -> int:
+        pid = busy_worker_pid(two_worker_server)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    text, _ = stream_with_a_kill(two_worker_server.url, prompt, 1500, kill_busy_worker)
+    assert text == undisturbed
     _wait_for(lambda: len(two_worker_server.registry()) == 2, 60)  # the supervisor restarted it
-
-
-def _kill_busy_worker(server: Server) -> int:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        busy = [w for w in server.registry() if w["metadata"].get("in_flight", 0) > 0]
-        if busy:
-            os.kill(int(busy[0]["pid"]), signal.SIGKILL)
-            return int(busy[0]["pid"])
-        time.sleep(0.05)
-    raise AssertionError("no worker reported the request in flight")
 
 
 def _wait_for(cond, seconds: float) -> None:

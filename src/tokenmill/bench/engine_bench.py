@@ -97,11 +97,20 @@ def make_workload(cfg: EngineBenchConfig, vocab_size: int, special_ids: frozense
     return Workload(prompts, outputs)
 
 
-def run_tokenmill(engine: Any, workload: Workload) -> tuple[TokenmillResult, list[DecodeStepShape]]:
-    """Run the workload to completion; figures cover only this run (after a warm-up)."""
+def warm_up(engine: Any, workload: Workload) -> None:
+    """One short request, so that first-call costs stay out of the measured run."""
     from tokenmill.textgen.sampling import SamplingParams
 
     engine.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+
+
+def run_tokenmill(engine: Any, workload: Workload, warm: bool = False) -> tuple[TokenmillResult, list[DecodeStepShape]]:
+    """Run the workload to completion; figures cover only this run (after a warm-up, unless the
+    caller has done it: `warm`)."""
+    from tokenmill.textgen.sampling import SamplingParams
+
+    if not warm:
+        warm_up(engine, workload)
     before = engine.stats()
     generated = [0] * len(workload.prompts)
     shapes: list[DecodeStepShape] = []
@@ -169,9 +178,10 @@ def run_engine_bench(cfg: EngineBenchConfig) -> EngineBenchReport:
     workload = make_workload(cfg, engine.model_config.vocab_size, special)
     log.info("tokenmill: %d requests, %d prompt and %d output tokens", cfg.num_requests,
              sum(map(len, workload.prompts)), sum(workload.output_lens))
+    warm_up(engine, workload)
     group = engine.runner.ranks.group if isinstance(engine.runner, ParallelRunner) else None
     collective_before = group.collective_seconds if group is not None else 0.0
-    tokenmill, shapes = run_tokenmill(engine, workload)
+    tokenmill, shapes = run_tokenmill(engine, workload, warm=True)
     parallel = None
     if group is not None:
         spent = group.collective_seconds - collective_before

@@ -69,7 +69,7 @@ def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0
         kv_shared=args.kv_shared, kv_shared_gb=args.kv_shared_gb, kv_write_through=args.kv_write_through,
         kv_pin_file=args.kv_pin_file,
     )
-    if config.tp > 1 or config.ep > 1:
+    if config.tp != 1 or config.ep != 1:
         from tokenmill.engine.parallel.shard import check_layout
 
         check_layout(config)

@@ -109,7 +109,7 @@ class LLMEngine:
         from tokenmill.engine.weights import load_model
 
         dtype = self.config.torch_dtype(cfg)
-        if self.config.tp > 1 or self.config.ep > 1:
+        if self.config.tp != 1 or self.config.ep != 1:  # (a layout below 1 is refused there)
             from tokenmill.engine.parallel.start import parallel_runner
 
             return parallel_runner(self.config, cfg, dtype, num_blocks, self.max_model_len, kv_allocator)

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "parallel.h"
+#include "vector_math.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -33,21 +34,11 @@
 #define PANEL 16
 #define ROWS 6 /* rows sharing one pass over a panel: 12 accumulators + 2 weights + 1 row value */
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* acc[r][0..15] = sum_k x[r][k] * panel[k][0..15] for r < nr (nr <= ROWS). Always inlined into
  * a switch on nr, so that each case has a constant row count and its sums live in registers. */
 #if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 widen_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-#define BF16_LO(w) widen_bf16(w)
-#define BF16_HI(w) widen_bf16((w) + 8)
+#define BF16_LO(w) widen8_bf16(w)
+#define BF16_HI(w) widen8_bf16((w) + 8)
 #define F32_LO(w) _mm256_loadu_ps(w)
 #define F32_HI(w) _mm256_loadu_ps((w) + 8)
 

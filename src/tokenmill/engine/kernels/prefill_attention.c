@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "parallel.h"
+#include "vector_math.h"
 
 #define NK 64               /* keys per chunk */
 #define MR 6                /* query rows per register tile */
@@ -30,36 +31,6 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline __m256 widen8_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-/* e^x for x <= 0, as in paged_attention.c: degree-6 polynomial, ~1e-7 relative error, 0 below -87. */
-static inline __m256 exp_nonpositive(__m256 x) {
-    const __m256 floor_x = _mm256_set1_ps(-87.0f);
-    const __m256 dead = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, floor_x);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)));
-}
 
 static inline float hmax8(__m256 v) {
     float lanes[8], m;
@@ -248,27 +219,24 @@ static int prefill(const void *q, const void *k, const void *v, const int64_t *t
     parallel_for(run_task, &jb, KVH * jb.blocks_per_head, threads < 1 ? 1 : threads);
     return atomic_load(&jb.failed) ? -1 : 0;
 }
-#define HAVE_KERNEL 1
 #else
-#define HAVE_KERNEL 0
+/* no vector build: the caller keeps its PyTorch path */
+static int prefill(const void *q, const void *k, const void *v, const int64_t *table, float *out,
+                   int64_t context_len, int qlen, int H, int KVH, int D, int BS, float scale, int threads, int bf16) {
+    (void)q; (void)k; (void)v; (void)table; (void)out; (void)context_len; (void)qlen; (void)H;
+    (void)KVH; (void)D; (void)BS; (void)scale; (void)threads; (void)bf16;
+    return -2;
+}
 #endif
 
 int tm_prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table,
                               float *out, int64_t context_len, int qlen, int H, int KVH, int D, int BS,
                               float scale, int threads) {
-#if HAVE_KERNEL
     return prefill(q, k, v, table, out, context_len, qlen, H, KVH, D, BS, scale, threads, 1);
-#else
-    return -2;
-#endif
 }
 
 int tm_prefill_attention_f32(const float *q, const float *k, const float *v, const int64_t *table,
                              float *out, int64_t context_len, int qlen, int H, int KVH, int D, int BS,
                              float scale, int threads) {
-#if HAVE_KERNEL
     return prefill(q, k, v, table, out, context_len, qlen, H, KVH, D, BS, scale, threads, 0);
-#else
-    return -2;
-#endif
 }
