@@ -80,8 +80,17 @@ def test_a_tensor_parallel_run_reports_its_time_in_collectives(tiny_moe: Path, t
     report = run_engine_bench(tiny_config(tiny_moe, tmp_path / "tp.json", skip_hf=True, tp=2, threads=2))
     assert report.parallel is not None and (report.parallel["tp"], report.parallel["ep"]) == (2, 1)
     assert report.parallel["collective_s"] > 0 and 0 < report.parallel["collective_share"] < 1
+    assert 0 < report.parallel["decode_collective_share"] < 1
     assert report.tokenmill.output_tokens == report.workload.output_tokens
     assert report.config["tp"] == 2
+
+
+def test_an_attention_dp_run_finishes_every_request_and_reports_its_exchanges(tiny_moe: Path, tmp_path: Path) -> None:
+    report = run_engine_bench(tiny_config(tiny_moe, tmp_path / "dp.json", skip_hf=True, ep=2, attention_dp=2,
+                                          threads=2))
+    assert report.parallel is not None and report.parallel["attention_dp"] == 2
+    assert 0 < report.parallel["decode_collective_share"] < 1
+    assert report.tokenmill.output_tokens == report.workload.output_tokens
 
 
 def test_workload_is_seeded_and_in_range(tiny_moe: Path) -> None:

@@ -146,8 +146,9 @@ def _check_topology(args: argparse.Namespace) -> None:
     if args.api_servers > 1 and args.port == 0:
         raise ValueError("--api-servers > 1 needs a fixed --port: the servers share it")
     if args.prefill or args.decode:
-        if args.tp > 1 or args.ep > 1:
-            raise ValueError(f"{'--tp' if args.tp > 1 else '--ep'}: disaggregated serving moves KV from one "
+        if args.tp > 1 or args.ep > 1 or args.attention_dp > 1:
+            flag = "--tp" if args.tp > 1 else "--ep" if args.ep > 1 else "--attention-dp"
+            raise ValueError(f"{flag}: disaggregated serving moves KV from one "
                              "process's cache; a parallel worker's KV is split between ranks (not yet supported)")
         if args.prefill < 1 or args.decode < 1:
             raise ValueError("--prefill and --decode go together, each at least 1")

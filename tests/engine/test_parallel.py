@@ -15,14 +15,16 @@ from tests.engine.helpers import GREEDY, make_engine, prompt_logits, prompts
 from tokenmill.engine.parallel.ranks import ParallelRunner
 from tokenmill.textgen.sampling import SamplingParams
 
-LAYOUTS = [("tiny-dense", 2, 1), ("tiny-llama", 2, 1), ("tiny-moe", 2, 1), ("tiny-moe", 1, 2), ("tiny-moe", 2, 2)]
+LAYOUTS = [("tiny-dense", 2, 1, 1), ("tiny-llama", 2, 1, 1), ("tiny-moe", 2, 1, 1), ("tiny-moe", 1, 2, 1),
+           ("tiny-moe", 2, 2, 1), ("tiny-moe", 1, 2, 2)]
 
 
-@pytest.mark.parametrize(("preset", "tp", "ep"), LAYOUTS, ids=[f"{p}-tp{t}-ep{e}" for p, t, e in LAYOUTS])
+@pytest.mark.parametrize(("preset", "tp", "ep", "dp"), LAYOUTS,
+                         ids=[f"{p}-tp{t}-ep{e}" + (f"-dp{d}" if d > 1 else "") for p, t, e, d in LAYOUTS])
 def test_parallel_logits_and_outputs_match_one_process_and_transformers(model_dirs: dict[str, Path], preset: str,
-                                                                        tp: int, ep: int) -> None:
+                                                                        tp: int, ep: int, dp: int) -> None:
     single = make_engine(model_dirs[preset])
-    parallel = make_engine(model_dirs[preset], tp=tp, ep=ep)
+    parallel = make_engine(model_dirs[preset], tp=tp, ep=ep, attention_dp=dp)
     try:
         assert isinstance(parallel.runner, ParallelRunner)
         hf = AutoModelForCausalLM.from_pretrained(model_dirs[preset], dtype=torch.float32).eval()

@@ -31,12 +31,16 @@ def test_layouts_that_do_not_fit_name_their_flag(moe_cfg: ModelConfig) -> None:
         (ParallelLayout(tp=0), moe_cfg, "--tp: must be at least 1"),
         (ParallelLayout(ep=2), dataclasses.replace(moe_cfg, moe=None), "--ep: Qwen3MoeForCausalLM has no experts"),
         (ParallelLayout(tp=2), moe_cfg, "--tp: 2 ranks but only 1 cores"),
+        (ParallelLayout(dp=2), moe_cfg, "--attention-dp: 2 needs --ep 2 and no --tp"),
+        (ParallelLayout(tp=2, ep=2, dp=2), moe_cfg, "--attention-dp: 2 needs --ep 2 and no --tp"),
+        (ParallelLayout(ep=2, dp=0), moe_cfg, "--attention-dp: must be at least 1"),
     ]
     for layout, model, message in cases:
         cores = 1 if "cores" in message else 64
         with pytest.raises(LayoutError, match=message):
             layout.validate(model, cores)
     ParallelLayout(tp=2, ep=2).validate(moe_cfg, 2)
+    ParallelLayout(ep=2, dp=2).validate(moe_cfg, 2)
 
 
 def test_shards_cover_heads_experts_and_replicate_kv_heads_when_fewer_than_ranks(moe_cfg: ModelConfig) -> None:
@@ -89,6 +93,9 @@ def test_a_rank_reads_only_its_slice_of_each_tensor(moe_cfg: ModelConfig) -> Non
     (["--tp", "2", "--runner", "mock"], "--tp: needs --runner torch"),
     (["--tp", "2", "--kv-host-gb", "1"], "--tp: KV tiers"),
     (["--tp", "2", "--prefill", "1", "--decode", "1"], "--tp: disaggregated serving"),
+    (["--attention-dp", "2"], "--attention-dp: 2 needs --ep 2"),
+    (["--attention-dp", "0"], "--attention-dp: must be at least 1"),
+    (["--ep", "2", "--attention-dp", "2", "--kv-disk-dir", "/tmp/x"], "--attention-dp: KV tiers"),
 ])
 def test_serve_refuses_bad_parallel_flags_with_exit_2(tiny_moe: Path, flags: list[str], message: str) -> None:
     run = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(tiny_moe), *flags],

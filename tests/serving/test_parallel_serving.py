@@ -1,4 +1,4 @@
-"""`tokenmill serve --tp 2 / --ep 2` end to end: the OpenAI client gets the single-process
+"""`tokenmill serve --tp 2 / --ep 2 / --ep 2 --attention-dp 2` end to end: the OpenAI client gets the single-process
 engine's text, and SIGKILL of a worker's second rank restarts that worker whole while the
 stream it served migrates without a seam."""
 from __future__ import annotations
@@ -24,9 +24,10 @@ def _ranks_of(worker_pid: int) -> list[int]:
             if b"tokenmill.engine.parallel.follower" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
-@pytest.mark.parametrize("flag", ["--tp", "--ep"])
-def test_a_parallel_worker_serves_the_single_process_text(tiny_moe: Path, tmp_path: Path, flag: str) -> None:
-    server = start_server(tiny_moe, tmp_path, flag, "2", "--kv-cache-blocks", "256")
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--ep", "2"], ["--ep", "2", "--attention-dp", "2"]],
+                         ids=["tp2", "ep2", "ep2-dp2"])
+def test_a_parallel_worker_serves_the_single_process_text(tiny_moe: Path, tmp_path: Path, flags: list[str]) -> None:
+    server = start_server(tiny_moe, tmp_path, *flags, "--kv-cache-blocks", "256")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         done = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=32, temperature=0,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,8 @@ import pytest
 
 from tokenmill.engine.step_work import StepWork
 from tokenmill.sim.deploy import make_context
-from tokenmill.sim.engine_fit import StepSample, _predict, fit_engine, measure_engine_steps
+from tokenmill.sim.engine_fit import (StepSample, _predict, engine_layout, fit_engine, measure_engine_steps,
+                                      predict_engine_decode_step)
 from tokenmill.sim.hardware import get_gpu, load_gpu_file
 from tokenmill.sim.local_calibrate import calibrate_local
 from tokenmill.sim.models import get_model
@@ -56,3 +58,23 @@ def test_a_fitted_cpu_local_entry_drives_the_simulator(tiny_dense: Path, tmp_pat
     context = make_context(str(tiny_dense), "cpu-local", "bf16")
     assert context.tuning.step_overhead_s == pytest.approx(entry["tuning"]["step_overhead_s"])
     assert make_context(str(tiny_dense), "cpu-local", "bf16", backend="trtllm").tuning != context.tuning
+    if (os.cpu_count() or 1) >= 2:  # the link between rank processes, measured with the engine's collectives
+        assert "gloo over loopback" in entry["sources"]["collective_latency_s"]
+        assert 0 < entry["collective_latency_s"] < 1 and entry["nvlink_bw"] > 1e6 and entry["a2a_latency_s"] > 0
+        assert entry["domain_size"] == os.cpu_count()
+    else:
+        assert "collective_latency_s" not in entry["sources"]
+    one = predict_engine_decode_step(tiny_dense, 1, 1, 1, batch=8, context=200)
+    two = predict_engine_decode_step(tiny_dense, 2, 1, 1, batch=8, context=200)
+    assert one.communication_s == 0 and 0 < one.step_s
+    assert two.layout == "tp2 ep1 dp1" and two.communication_s > 0
+
+
+def test_engine_layouts_map_to_the_simulators(tiny_moe: Path, tmp_path: Path, monkeypatch) -> None:
+    assert [(int(p.tp), int(p.ep), int(p.dp)) for p in (engine_layout(2, 1, 1), engine_layout(2, 2, 1),
+                                                        engine_layout(1, 2, 2))] == [(2, 1, 1), (2, 2, 1), (1, 2, 2)]
+    assert engine_layout(1, 2, 1) is None  # replicated attention: not a layout the simulator has
+    assert predict_engine_decode_step(tiny_moe, 1, 2, 1, 8, 100).step_s is None
+    monkeypatch.setenv("TOKENMILL_CPU_LOCAL", str(tmp_path / "absent.json"))
+    missing = predict_engine_decode_step(tiny_moe, 2, 1, 1, 8, 100)
+    assert missing.step_s is None and "sim calibrate" in missing.reason

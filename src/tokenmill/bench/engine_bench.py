@@ -13,6 +13,7 @@ import argparse
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ class EngineBenchConfig:
     threads: int = 1  # in all: a parallel engine's ranks share them
     tp: int = 1
     ep: int = 1
+    attention_dp: int = 1
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     hf_batch_size: int = 16
@@ -58,8 +60,8 @@ class EngineBenchConfig:
             raise ValueError(f"--model {self.model!r}: not a model directory (no config.json)")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}")
-        for name in ("num_requests", "min_prompt", "min_output", "threads", "tp", "ep", "max_num_seqs",
-                     "max_num_batched_tokens", "hf_batch_size"):
+        for name in ("num_requests", "min_prompt", "min_output", "threads", "tp", "ep", "attention_dp",
+                     "max_num_seqs", "max_num_batched_tokens", "hf_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for low, high in (("min_prompt", "max_prompt"), ("min_output", "max_output")):
@@ -104,9 +106,12 @@ def warm_up(engine: Any, workload: Workload) -> None:
     engine.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
 
 
-def run_tokenmill(engine: Any, workload: Workload, warm: bool = False) -> tuple[TokenmillResult, list[DecodeStepShape]]:
+def run_tokenmill(engine: Any, workload: Workload, warm: bool = False,
+                  collective_clock: Callable[[], float] | None = None,
+                  ) -> tuple[TokenmillResult, list[DecodeStepShape]]:
     """Run the workload to completion; figures cover only this run (after a warm-up, unless the
-    caller has done it: `warm`)."""
+    caller has done it: `warm`). `collective_clock` (a parallel engine's seconds in collectives
+    so far) is read around each step, for the decode steps' share in `decode_collective_s`."""
     from tokenmill.textgen.sampling import SamplingParams
 
     if not warm:
@@ -119,11 +124,14 @@ def run_tokenmill(engine: Any, workload: Workload, warm: bool = False) -> tuple[
         engine.add_request(f"bench-{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0.0,
                                                                ignore_eos=True))
     decode_only_steps = before.num_decode_only_steps
+    decode_collective_s = 0.0
     while engine.has_unfinished():
+        collective_before = collective_clock() if collective_clock else 0.0
         outputs = engine.step()
         now_decode_only = engine.stats().num_decode_only_steps
         indices = [int(o.request_id.removeprefix("bench-")) for o in outputs]
         if now_decode_only > decode_only_steps:
+            decode_collective_s += collective_clock() - collective_before if collective_clock else 0.0
             # a decode step's context: the prompt plus every token generated before this step
             context = sum(len(workload.prompts[i]) + generated[i] for i in indices)
             shapes.append(DecodeStepShape(len(indices), context))
@@ -131,10 +139,11 @@ def run_tokenmill(engine: Any, workload: Workload, warm: bool = False) -> tuple[
         for i, out in zip(indices, outputs):
             generated[i] += len(out.new_token_ids)
     wall = time.perf_counter() - t0
-    return _tokenmill_result(before, engine.stats(), wall, sum(generated)), shapes
+    return _tokenmill_result(before, engine.stats(), wall, sum(generated), decode_collective_s), shapes
 
 
-def _tokenmill_result(before: Any, after: Any, wall: float, output_tokens: int) -> TokenmillResult:
+def _tokenmill_result(before: Any, after: Any, wall: float, output_tokens: int,
+                      decode_collective_s: float) -> TokenmillResult:
     steps = after.num_steps - before.num_steps
     decode_steps = after.num_decode_only_steps - before.num_decode_only_steps
     decode_s = after.decode_step_seconds - before.decode_step_seconds
@@ -145,7 +154,8 @@ def _tokenmill_result(before: Any, after: Any, wall: float, output_tokens: int) 
         mean_decode_step_ms=decode_s / max(decode_steps, 1) * 1e3,
         mean_wall_step_ms=wall / max(steps, 1) * 1e3, steps=steps, decode_only_steps=decode_steps,
         preemptions=after.num_preemptions - before.num_preemptions, output_tokens=output_tokens,
-        prefill_tokens=after.prefill_tokens - before.prefill_tokens,
+        prefill_tokens=after.prefill_tokens - before.prefill_tokens, decode_s=decode_s,
+        decode_collective_s=decode_collective_s,
     )
 
 
@@ -172,6 +182,7 @@ def run_engine_bench(cfg: EngineBenchConfig) -> EngineBenchReport:
 
     engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, threads=cfg.threads,
                                     max_num_seqs=cfg.max_num_seqs, tp=cfg.tp, ep=cfg.ep,
+                                    attention_dp=cfg.attention_dp,
                                     max_num_batched_tokens=cfg.max_num_batched_tokens))
     _check_fits(cfg, engine.max_model_len)
     special = engine.tokenizer.special_token_ids if engine.tokenizer else frozenset()
@@ -181,24 +192,42 @@ def run_engine_bench(cfg: EngineBenchConfig) -> EngineBenchReport:
     warm_up(engine, workload)
     group = engine.runner.ranks.group if isinstance(engine.runner, ParallelRunner) else None
     collective_before = group.collective_seconds if group is not None else 0.0
-    tokenmill, shapes = run_tokenmill(engine, workload, warm=True)
+    clock = (lambda: group.collective_seconds) if group is not None else None
+    tokenmill, shapes = run_tokenmill(engine, workload, warm=True, collective_clock=clock)
     parallel = None
     if group is not None:
         spent = group.collective_seconds - collective_before
-        parallel = {"tp": cfg.tp, "ep": cfg.ep, "collective_s": spent, "collective_share": spent / tokenmill.wall_s}
+        decode_share = tokenmill.decode_collective_s / tokenmill.decode_s if tokenmill.decode_s else 0.0
+        parallel = {"tp": cfg.tp, "ep": cfg.ep, "attention_dp": cfg.attention_dp, "collective_s": spent,
+                    "collective_share": spent / tokenmill.wall_s, "decode_collective_share": decode_share}
     profile = profile_engine(engine, workload.prompts, workload.output_lens) if cfg.profile else None
     model_cfg = engine.model_config
     engine.close()  # a parallel engine's ranks stop here
     del engine  # free its weights and KV cache before transformers loads its copy
     bandwidth = measure_bandwidth_gbps(cfg.threads)
     floor = decode_floor(model_cfg, ITEMSIZE[cfg.dtype], shapes, bandwidth, tokenmill.mean_decode_step_ms)
+    predicted = _predicted_step(cfg, floor)
     hf = None
     if not cfg.skip_hf:
         log.info("transformers: batches of %d", cfg.hf_batch_size)
         hf = run_hf_baseline(cfg.model, cfg.dtype, workload.prompts, workload.output_lens,
                              cfg.hf_batch_size, cfg.hf_max_requests)
     ratio = tokenmill.output_tokens_per_s / hf.useful_output_tokens_per_s if hf else None
-    return EngineBenchReport(asdict(cfg), workload.summary(), tokenmill, hf, ratio, floor, profile, parallel)
+    return EngineBenchReport(asdict(cfg), workload.summary(), tokenmill, hf, ratio, floor, profile, parallel,
+                             predicted)
+
+
+def _predicted_step(cfg: EngineBenchConfig, floor: Any) -> dict[str, Any] | None:
+    """The simulator's decode step for this layout at the run's mean decode shape (`cpu-local`)."""
+    from tokenmill.sim.engine_fit import predict_engine_decode_step
+
+    if floor is None or not floor.decode_batch_mean:
+        return None
+    context = floor.context_tokens_mean / floor.decode_batch_mean
+    p = predict_engine_decode_step(cfg.model, cfg.tp, cfg.ep, cfg.attention_dp, floor.decode_batch_mean, context)
+    return {"layout": p.layout, "decode_step_ms": None if p.step_s is None else p.step_s * 1e3,
+            "communication_ms": None if p.communication_s is None else p.communication_s * 1e3,
+            "note": p.reason}
 
 
 def _check_fits(cfg: EngineBenchConfig, max_model_len: int) -> None:
@@ -213,7 +242,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", required=True, metavar="OUT", help="write results here")
     defaults = EngineBenchConfig.__dataclass_fields__
     for name in ("num_requests", "min_prompt", "max_prompt", "min_output", "max_output", "seed",
-                 "threads", "tp", "ep", "max_num_seqs", "max_num_batched_tokens", "hf_batch_size"):
+                 "threads", "tp", "ep", "attention_dp", "max_num_seqs", "max_num_batched_tokens",
+                 "hf_batch_size"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=defaults[name].default)
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES)
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")

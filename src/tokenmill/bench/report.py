@@ -76,6 +76,8 @@ class TokenmillResult:
     preemptions: int
     output_tokens: int
     prefill_tokens: int
+    decode_s: float = 0.0  # in decode-only steps
+    decode_collective_s: float = 0.0  # of that, rank 0 in collectives (a parallel engine)
 
 
 @dataclass(slots=True)
@@ -107,8 +109,12 @@ class EngineBenchReport:
     ratio: float | None
     floor: FloorResult | None
     profile: dict[str, Any] | None = None  # --profile: {decode|prefill: {steps, ms: {class: ms/step}}}
-    # --tp/--ep: {"tp", "ep", "collective_s": rank 0's seconds in collectives, "collective_share": of the run}
+    # --tp/--ep/--attention-dp: {"tp", "ep", "attention_dp", "collective_s": rank 0's seconds in
+    # collectives, "collective_share": of the run, "decode_collective_share": of decode-only steps}
     parallel: dict[str, Any] | None = None
+    # the simulator's decode step for this layout on cpu-local: {"layout", "decode_step_ms",
+    # "communication_ms", "note"} (the ms are None without a `sim calibrate` here)
+    predicted: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self)}
@@ -206,6 +212,16 @@ def _table_rows(r: EngineBenchReport) -> list[tuple[str, str]]:
         ]
     if r.parallel is not None:
         p = r.parallel
-        rows.append((f"tp {p['tp']} / ep {p['ep']}: rank 0 in collectives",
-                     f"{p['collective_s']:.2f} s ({p['collective_share']:.0%} of the run)"))
+        layout = f"tp {p['tp']} / ep {p['ep']}"
+        if p["attention_dp"] > 1:
+            layout += f" / attention-dp {p['attention_dp']}"
+        rows.append((f"{layout}: rank 0 in collectives",
+                     f"{p['collective_s']:.2f} s ({p['collective_share']:.0%} of the run, "
+                     f"{p['decode_collective_share']:.0%} of decode steps)"))
+    if r.predicted is not None and r.floor is not None:
+        pr = r.predicted
+        value = pr["note"] if pr["decode_step_ms"] is None else (
+            f"{pr['decode_step_ms']:.2f} ms ({pr['communication_ms']:.2f} ms communication) vs "
+            f"{r.floor.mean_decode_step_ms:.2f} ms measured")
+        rows.append((f"simulator, cpu-local {pr['layout']}: decode step".replace("  ", " "), value))
     return rows

@@ -38,6 +38,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes) per worker")
     g.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks per worker (MoE; with --tp, the same ranks)")
+    g.add_argument("--attention-dp", type=int, default=1,
+                   help="with --ep N: N attention data-parallel ranks, each scheduling its own requests on "
+                        "its own KV pool while the experts stay split (the wide-EP layout)")
     add_tier_arguments(parser)
 
 
@@ -64,12 +67,12 @@ def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, runner=args.runner,
         mock_step_time=parse_step_time(args.mock_step_time), mock_speedup=mock_speedup(args),
-        seed=args.seed, tp=args.tp, ep=args.ep, worker_id=worker_id,
+        seed=args.seed, tp=args.tp, ep=args.ep, attention_dp=args.attention_dp, worker_id=worker_id,
         kv_host_gb=args.kv_host_gb, kv_disk_dir=args.kv_disk_dir, kv_disk_gb=args.kv_disk_gb,
         kv_shared=args.kv_shared, kv_shared_gb=args.kv_shared_gb, kv_write_through=args.kv_write_through,
         kv_pin_file=args.kv_pin_file,
     )
-    if config.tp != 1 or config.ep != 1:
+    if config.tp != 1 or config.ep != 1 or config.attention_dp != 1:
         from tokenmill.engine.parallel.shard import check_layout
 
         check_layout(config)
@@ -109,7 +112,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     """The same knobs as flags again, to pass through to worker processes."""
     argv = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--runner", args.runner, "--seed", str(args.seed), "--tp", str(args.tp), "--ep", str(args.ep)]
+            "--runner", args.runner, "--seed", str(args.seed), "--tp", str(args.tp), "--ep", str(args.ep),
+            "--attention-dp", str(args.attention_dp)]
     optional = {"--threads": args.threads, "--kv-cache-blocks": args.kv_cache_blocks,
                 "--kv-cache-gb": args.kv_cache_gb, "--max-model-len": args.max_model_len,
                 "--mock-step-time": args.mock_step_time, "--mock-profile": args.mock_profile,

@@ -39,6 +39,9 @@ class EngineConfig:
     seed: int = 0
     tp: int = 1  # tensor-parallel ranks (processes) of this worker
     ep: int = 1  # expert-parallel ranks: the same group as tp when both are > 1
+    # attention data-parallel ranks (== ep): each schedules its own requests on its own KV pool
+    # of `kv_blocks` blocks, and the MoE layers exchange tokens between them (wide EP)
+    attention_dp: int = 1
     # a worker process exits when a rank is lost (its supervisor restarts it whole, its requests
     # migrate); an embedded engine raises from step() instead
     exit_on_rank_loss: bool = False
@@ -56,7 +59,7 @@ class EngineConfig:
     @property
     def rank_threads(self) -> int | None:
         """`threads` shared out between a parallel worker's ranks (None: the default)."""
-        return None if self.threads is None else max(1, self.threads // max(self.tp, self.ep))
+        return None if self.threads is None else max(1, self.threads // max(self.tp, self.ep, self.attention_dp))
 
     @property
     def kv_tiers_enabled(self) -> bool:

@@ -22,6 +22,8 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutp
 from tokenmill.kv.block_pool import BlockPool
 from tokenmill.kv.cache_manager import KVCacheManager
 from tokenmill.kv.events import KVEventEmitter
+from tokenmill.kv.hashing import block_hashes
+from tokenmill.kv.union_events import UnionEvents
 from tokenmill.textgen.model_config import ModelConfig, load_model_config
 from tokenmill.textgen.outputs import FINISH_HANDOFF, FINISH_STOP, RequestOutput
 from tokenmill.textgen.sampling import SamplingParams, TokenLogprob
@@ -69,9 +71,8 @@ class LLMEngine:
         self.tokenizer = tokenizer or (Tokenizer(config.model) if load_tokenizer else None)
         num_blocks = config.kv_blocks(self.model_config)
         self.events = events or KVEventEmitter(config.worker_id)
-        self.pool = BlockPool(num_blocks, config.block_size, self.events, config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, config.hash_seed)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.pools, self.kvs, self.schedulers = self._rank_schedulers(num_blocks)
+        self.pool, self.kv, self.scheduler = self.pools[0], self.kvs[0], self.schedulers[0]
         self.max_model_len = self._max_model_len(num_blocks)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer, eos, self.max_model_len)
@@ -82,6 +83,17 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0)
         self._seconds = dict(prefill=0.0, decode=0.0)
+
+    def _rank_schedulers(self, num_blocks: int) -> tuple[list[BlockPool], list[KVCacheManager], list[Scheduler]]:
+        """A block pool, its KV manager and a scheduler per attention data-parallel rank (one
+        without --attention-dp); the ranks' pools announce their blocks as one worker's."""
+        config, ranks = self.config, max(1, self.config.attention_dp)
+        union = UnionEvents(self.events) if ranks > 1 else None
+        pools = [BlockPool(num_blocks, config.block_size, self.events if union is None else union.view(r),
+                           config.enable_prefix_caching) for r in range(ranks)]
+        kvs = [KVCacheManager(pool, config.hash_seed) for pool in pools]
+        budget = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
+        return pools, kvs, [Scheduler(budget, kv) for kv in kvs]
 
     def _attach_tiers(self):
         from tokenmill.engine.kv_tiers_wiring import attach_tiers  # torch: tiers copy real KV
@@ -109,7 +121,7 @@ class LLMEngine:
         from tokenmill.engine.weights import load_model
 
         dtype = self.config.torch_dtype(cfg)
-        if self.config.tp != 1 or self.config.ep != 1:  # (a layout below 1 is refused there)
+        if self.config.tp != 1 or self.config.ep != 1 or self.config.attention_dp != 1:  # (below 1: refused)
             from tokenmill.engine.parallel.start import parallel_runner
 
             return parallel_runner(self.config, cfg, dtype, num_blocks, self.max_model_len, kv_allocator)
@@ -126,9 +138,12 @@ class LLMEngine:
         ends with that many generated tokens, and seeded sampling resumes at that index;
         `text_pending` of them still owe the client their text. A `prefill_only` request ends
         after its first token with FINISH_HANDOFF and holds its KV until `release_held`."""
+        if prefill_only:
+            self._check_handoff()
         request = self._new_request(request_id, prompt_token_ids, params, extra_key, output_offset, text_pending)
         request.prefill_only = prefill_only
-        self.scheduler.add(request)
+        request.dp_rank = self._place(request)
+        self._scheduler_of(request).add(request)
 
     def begin_import(self, request_id: str, token_ids: list[int], params: SamplingParams,
                      extra_key: str | None = None, output_offset: int = 1, text_pending: int = 0,
@@ -139,6 +154,7 @@ class LLMEngine:
         the request is simply queued to be prefilled here."""
         if output_offset < 1:
             raise ValueError("an imported request continues after the token its prefill sampled")
+        self._check_handoff()
         request = self._new_request(request_id, token_ids, params, extra_key, output_offset, text_pending)
         plan = self.handoff.begin_import(request)
         if plan is None:
@@ -148,6 +164,11 @@ class LLMEngine:
     def finish_import(self, request_id: str, ok: bool) -> bool:
         """The KV of a `begin_import` arrived intact (decode next) or did not (recompute here)."""
         return self.handoff.finish_import(request_id, ok)
+
+    def _check_handoff(self) -> None:
+        if len(self.schedulers) > 1:
+            raise ValueError("--attention-dp: disaggregated KV handoff does not work with attention data "
+                             "parallelism yet (each rank holds its own KV)")
 
     def release_held(self, request_id: str) -> bool:
         """Free the KV a prefill-only request held; False when it holds none."""
@@ -192,12 +213,41 @@ class LLMEngine:
         if request is None:
             return False
         if not self.handoff.abort(request_id):
-            self.scheduler.abort(request)
+            self._scheduler_of(request).abort(request)
         self.output.remove(request_id)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return any(s.has_unfinished() for s in self.schedulers)
+
+    def _scheduler_of(self, request: Request) -> Scheduler:
+        return self.schedulers[request.dp_rank]
+
+    def _place(self, request: Request) -> int:
+        """The attention data-parallel rank for a new request: the one whose pool holds the
+        longest run of its prefix, then the one with the fewest requests, then the lowest."""
+        if len(self.schedulers) == 1:
+            return 0
+        bs = self.config.block_size
+        tokens = request.token_ids[:(len(request.token_ids) - 1) // bs * bs]
+        hashes = block_hashes(tokens, bs, self.config.hash_seed, extra_key=request.extra_key)
+
+        def cached_blocks(pool: BlockPool) -> int:
+            for i, h in enumerate(hashes):
+                if pool.lookup(h, tokens[i * bs:(i + 1) * bs]) is None:
+                    return i
+            return len(hashes)
+
+        def rank_order(r: int) -> tuple[int, int, int]:
+            scheduler = self.schedulers[r]
+            return cached_blocks(self.pools[r]), -len(scheduler.running) - len(scheduler.waiting), -r
+        return max(range(len(self.schedulers)), key=rank_order)
+
+    def cached_hashes(self) -> list[int]:
+        """The chained hashes of every block in the device prefix cache (a KV snapshot)."""
+        if len(self.pools) == 1:
+            return self.pool.cached_hashes()
+        return list({h: None for pool in self.pools for h in pool.cached_hashes()})
 
     def set_tiers_enabled(self, enabled: bool) -> bool:
         """Use the KV tiers below the device pool, or not (False without tiers: nothing to switch)."""
@@ -224,21 +274,27 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        self._counters["preemptions"] += len(out.preempted)
-        if not out:
+        outs = [scheduler.schedule() for scheduler in self.schedulers]
+        self._counters["preemptions"] += sum(len(out.preempted) for out in outs)
+        if not any(outs):
             return []
         t0 = time.perf_counter()
-        sampled = self.runner.execute(out, self.kv)
-        self._record_step(out, time.perf_counter() - t0)
-        self.scheduler.advance(out)
-        return self._process(out, sampled)
+        if len(outs) == 1:
+            sampled = self.runner.execute(outs[0], self.kv)
+        else:  # attention data parallel: every rank steps together, idle ones included
+            sampled = self.runner.execute_ranks(outs, self.kvs)  # type: ignore[attr-defined]
+        self._record_step(outs, time.perf_counter() - t0)
+        results = []
+        for scheduler, out in zip(self.schedulers, outs):
+            scheduler.advance(out)
+            results += self._process(out, sampled)
+        return results
 
-    def _record_step(self, out: SchedulerOutput, seconds: float) -> None:
-        prefill = out.num_prefill_tokens
+    def _record_step(self, outs: list[SchedulerOutput], seconds: float) -> None:
+        prefill = sum(out.num_prefill_tokens for out in outs)
         self._counters["steps"] += 1
         self._counters["prefill"] += prefill
-        self._counters["decode"] += out.num_decode_seqs
+        self._counters["decode"] += sum(out.num_decode_seqs for out in outs)
         if prefill:
             self._seconds["prefill"] += seconds
         else:
@@ -271,7 +327,7 @@ class LLMEngine:
             reason, stop_token = stop
             if stop_token is not None:
                 request.stop_reason = stop_token
-            self.scheduler.finish(request, reason)
+            self._scheduler_of(request).finish(request, reason)
             self.output.remove(request.request_id)
             del self.requests[request.request_id]
         return RequestOutput(
@@ -312,7 +368,7 @@ class LLMEngine:
         """What the router charges, per request: (prefill, decode) blocks it holds beyond its
         prefix-cache hits — prefill before its first token, decode after."""
         bs, blocks = self.config.block_size, {}
-        for request in (*self.scheduler.running, *self.scheduler.waiting):
+        for request in (r for s in self.schedulers for r in (*s.running, *s.waiting)):
             held = -(-request.num_tokens // bs) - request.num_cached_tokens // bs
             blocks[request.request_id] = (0, held) if request.output_token_ids else (held, 0)
         return blocks
@@ -323,16 +379,19 @@ class LLMEngine:
         request_blocks = self._active_blocks()
         prefill_blocks = sum(p for p, _ in request_blocks.values())
         decode_blocks = sum(d for _, d in request_blocks.values())
+        free, total = sum(p.num_free_blocks for p in self.pools), sum(p.num_blocks for p in self.pools)
+        queried = sum(kv.stats.queried_tokens for kv in self.kvs)
+        hits = sum(kv.stats.hit_tokens for kv in self.kvs)
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            kv_usage=self.pool.usage(), num_free_blocks=self.pool.num_free_blocks,
-            num_blocks=self.pool.num_blocks, prefix_hit_rate=self.kv.stats.hit_rate,
+            num_running=sum(len(s.running) for s in self.schedulers),
+            num_waiting=sum(len(s.waiting) for s in self.schedulers),
+            kv_usage=1.0 - free / total, num_free_blocks=free, num_blocks=total,
+            prefix_hit_rate=hits / queried if queried else 0.0,
             num_steps=c["steps"], prefill_tokens=c["prefill"], decode_tokens=c["decode"],
             prefill_step_seconds=s["prefill"], decode_step_seconds=s["decode"],
             num_decode_only_steps=c["decode_steps"], num_preemptions=c["preemptions"],
             prefill_blocks=prefill_blocks, decode_blocks=decode_blocks, request_blocks=request_blocks,
-            onboarded_tokens=self.kv.stats.onboarded_tokens, queried_tokens=self.kv.stats.queried_tokens,
-            device_hit_tokens=self.kv.stats.hit_tokens,
+            onboarded_tokens=self.kv.stats.onboarded_tokens, queried_tokens=queried, device_hit_tokens=hits,
             num_held=len(self.handoff.held), num_importing=len(self.handoff.importing),
             tier_stats=self.tiers.stats() if self.tiers is not None else {},
         )

@@ -35,6 +35,7 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     admitted: bool = False
     prefill_only: bool = False  # stop after the first token and hold the KV (disaggregated prefill)
+    dp_rank: int = 0  # the attention data-parallel rank whose scheduler and KV pool hold it
     matcher: Any = None  # the grammar's matcher (llguidance) while a structured output is generated
 
     def __post_init__(self) -> None:

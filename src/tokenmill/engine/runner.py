@@ -5,6 +5,8 @@ differs. `TorchModelRunner` runs the real model on the paged KV cache.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
 import torch
 
@@ -15,7 +17,7 @@ from tokenmill.engine.kernels import prefill_attention
 from tokenmill.engine.models.transformer import CausalLM
 from tokenmill.engine.runner_protocol import KVAllocator, Sampled
 from tokenmill.engine.sampler import sample
-from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.kv.cache_manager import KVCacheManager
 from tokenmill.textgen.model_config import ModelConfig
 from tokenmill.textgen.sampling import SampleRow
@@ -42,14 +44,25 @@ class TorchModelRunner:
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
         input_ids, positions, batch, logits_rows = self._prepare(out, kv)
         sampling = [s for s in out.seqs if s.samples]
-        guided = [i for i, s in enumerate(sampling) if s.request.matcher is not None]
-        masks = self._masks().start([sampling[i].request.matcher for i in guided]) if guided else None
+        masks = self._start_masks(sampling)
         logits = self.forward(input_ids, positions, batch, logits_rows)
+        return self._sample(sampling, logits, masks)
+
+    def _start_masks(self, sampling: list[ScheduledSeq]) -> tuple[list[int], Future[np.ndarray]] | None:
+        """Structured outputs' token masks, computed beside the forward pass."""
+        guided = [i for i, s in enumerate(sampling) if s.request.matcher is not None]
+        if not guided:
+            return None
+        return guided, self._masks().start([sampling[i].request.matcher for i in guided])
+
+    def _sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
+                masks: tuple[list[int], Future[np.ndarray]] | None) -> Sampled:
+        """A token for each of `sampling`, from its row of `logits` (in the same order)."""
         rows = [SampleRow(s.request.params, s.request.output_offset + len(s.request.output_token_ids),
                           s.request.all_output_token_ids if s.request.params.penalised else (),
                           s.request.prompt_token_ids)
                 for s in sampling]
-        allowed = (guided, torch.from_numpy(masks.result())) if masks is not None else None
+        allowed = (masks[0], torch.from_numpy(masks[1].result())) if masks is not None else None
         tokens, logprobs = sample(logits, rows, self.generator, allowed)
         return {s.request.request_id: (t, lp) for s, t, lp in zip(sampling, tokens, logprobs)}
 
@@ -88,6 +101,8 @@ class TorchModelRunner:
             slots.append(blocks[pos // bs] * bs + pos % bs)
             if seq.samples:
                 logits_rows.append(len(ids) - 1)
+        if not ids:  # an attention-DP rank with nothing scheduled still joins the step
+            positions = slots = [np.zeros(0, dtype=np.int64)]
         batch = AttentionBatch(torch.from_numpy(np.concatenate(slots)), spans, _decode_batch(decodes),
                                self.native_prefill)
         return (torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)),

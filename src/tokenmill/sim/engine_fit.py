@@ -145,3 +145,46 @@ def fit_engine(model_dir: str | Path, gpu: GpuSpec, samples: list[StepSample], p
     errors = np.abs(_predict(model, g, Tuning(**{f: values[f] for f in TUNING_FIELDS}), precision, samples) / measured - 1)
     return EngineFit({f: values[f] for f in GPU_FIELDS}, {f: values[f] for f in TUNING_FIELDS},
                      float(np.median(errors)), len(samples))
+
+
+@dataclass(slots=True, frozen=True)
+class LayoutPrediction:
+    """The simulator's decode step for one of tokenmill's engine layouts on `cpu-local`."""
+    layout: str  # the simulator's layout, e.g. "tp1 ep2 dp2"; "" when it has none
+    step_s: float | None
+    communication_s: float | None
+    reason: str  # why there is no prediction, or what it assumes
+
+
+def engine_layout(tp: int, ep: int, dp: int) -> Parallel | None:
+    """The simulator's layout for an engine's --tp/--ep/--attention-dp (None: it has no such one).
+
+    The engine's --ep alone runs attention whole on every rank for every token (replicated), which
+    no serving engine does and the simulator does not model; with --attention-dp each rank's
+    attention sees only its own requests (the simulator's dp), and with --tp both split heads."""
+    if dp > 1:
+        return Parallel.of(1, 1, ep, dp)
+    if ep > 1 and tp == 1:
+        return None
+    return Parallel.of(tp, 1, ep, 1)
+
+
+def predict_engine_decode_step(model_dir: str | Path, tp: int, ep: int, dp: int, batch: float,
+                               context: float) -> LayoutPrediction:
+    """The decode step of `batch` sequences of mean KV length `context` (spread over the
+    attention-DP ranks) on the `cpu-local` entry, with the engine tuning `sim calibrate --model`
+    fitted; no prediction without a calibration."""
+    from tokenmill.sim.deploy import make_context
+
+    par = engine_layout(tp, ep, dp)
+    if par is None:
+        return LayoutPrediction("", None, None, "--ep without --attention-dp replicates attention: not modelled")
+    name = f"tp{tp} ep{ep} dp{dp}"
+    try:
+        c = make_context(str(model_dir), "cpu-local", "bf16")
+    except ValueError as exc:  # no calibration on this machine
+        return LayoutPrediction(name, None, None, str(exc))
+    shape = StepShape(np.zeros(1), np.ones(1), np.full(1, batch / dp), np.full(1, context))
+    t = step_time(c, par, shape)
+    return LayoutPrediction(name, float(t.total[0]), float(t.communication[0]),
+                            "cpu-local: this machine's calibration, one rank per simulated GPU")

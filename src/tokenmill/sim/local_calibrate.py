@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,12 @@ def measure_op_latency(repeats: int) -> float:
 def calibrate_local(out: Path | None = None, quick: bool = False, model: str | None = None, threads: int = 1) -> Path:
     n, reps, mb = (256, 3, 64) if quick else (1024, 5, 256)
     bf16, fp32 = measure_matmul_flops("bf16", n, reps), measure_matmul_flops("fp32", n, reps)
+    # Without native bf16 (no AVX-512 BF16/AMX) torch's bf16 matmul crawls, and tokenmill's own
+    # kernels widen bf16 weights to fp32 instead: a bf16 model then computes at the fp32 rate.
+    bf16_source = f"torch bf16 matmul {n}^3" if bf16 >= fp32 else \
+        f"fp32 matmul {n}^3: torch's bf16 matmul reached only {bf16 / 1e9:.1f} GFLOP/s here (no native bf16), " \
+        "and the engine's kernels widen bf16 to fp32"
+    bf16 = max(bf16, fp32)
     bw, lat = measure_memory_bandwidth(mb, reps), measure_op_latency(reps)
     log.info("cpu-local: bf16 %.1f GFLOP/s, fp32 %.1f GFLOP/s, %.1f GB/s, op %.1f us", bf16 / 1e9, fp32 / 1e9, bw / 1e9, lat * 1e6)
     mem_gb = _total_memory_gb()
@@ -74,16 +81,47 @@ def calibrate_local(out: Path | None = None, quick: bool = False, model: str | N
              "domain_size": 1, "scaleout_bw": 1.25e9, "kernel_latency_s": lat, "collective_latency_s": 50e-6,
              "a2a_latency_s": 50e-6, "gemm_eff_max": 1.0, "gemm_m_half": 1.0, "attn_eff": 0.5, "mem_eff": 1.0, "link_eff": 1.0,
              "power_w": power_w,
-             "sources": {"bf16_flops": f"{measured} (torch bf16 matmul {n}^3); fp8/fp4 run at this rate",
+             "sources": {"bf16_flops": f"{measured} ({bf16_source}); fp8/fp4 run at this rate",
                          "fp32_flops": measured, "hbm_bw": f"{measured} (numpy copy, read+write)",
                          "kernel_latency_s": f"{measured} (tiny torch op)", "hbm_gb": "os.sysconf physical memory",
                          "gemm_eff_max": "1.0: the measured rate already is the achieved rate",
                          "power_w": power_src}}
+    _measure_links(entry, measured)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(entry, indent=1) + "\n")
     if model is not None:
         _fit_to_engine(entry, path, model, threads, measured)
     return path
+
+
+def _measure_links(entry: dict, measured: str) -> None:
+    """The link between rank processes (what a parallel worker's collectives cross here): the
+    engine's own gloo collectives on two ranks over loopback, each fitted as latency + bytes ÷
+    bandwidth. The ranks share one host, so every rank count sits in one "domain"."""
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        log.info("cpu-local: one core, no rank-to-rank link to measure")
+        return
+    from tokenmill.engine.parallel.collective_probe import measure
+
+    timings = measure(world=2)
+    latency, bandwidth = _latency_and_bandwidth([(t.nbytes, t.seconds) for t in timings if t.op == "all_reduce"])
+    # the exchange is two phases (all-gather, reduce-scatter), each charged an all-to-all latency
+    pair_latency, _ = _latency_and_bandwidth([(t.nbytes, t.seconds) for t in timings if t.op == "exchange"])
+    log.info("cpu-local: rank link %.0f us all-reduce latency, %.2f GB/s; exchange phase %.0f us",
+             latency * 1e6, bandwidth / 1e9, pair_latency / 2 * 1e6)
+    entry.update(collective_latency_s=latency, nvlink_bw=bandwidth, a2a_latency_s=pair_latency / 2,
+                 domain_size=cores)
+    note = f"{measured} (gloo over loopback between 2 rank processes, latency + bytes/bandwidth fit)"
+    entry["sources"].update({name: note for name in ("collective_latency_s", "nvlink_bw", "a2a_latency_s")})
+    entry["sources"]["domain_size"] = "every rank of a parallel worker runs on this host"
+
+
+def _latency_and_bandwidth(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Latency from the smallest message, bandwidth from the slope up to the largest (a
+    least-squares line would let the large messages' noise set the latency, even below zero)."""
+    (small, t_small), (large, t_large) = min(points), max(points)
+    return t_small, (large - small) / max(t_large - t_small, 1e-9)
 
 
 def _fit_to_engine(entry: dict, path: Path, model: str, threads: int, measured: str) -> None:

@@ -79,7 +79,7 @@ class KVEventPublisher:
         def take(engine) -> dict[str, Any]:
             return {"type": p.KV_SNAPSHOT, "worker": self.worker_id,
                     "last_event_id": engine.events.last_event_id,
-                    "tiers": {"device": engine.pool.cached_hashes()}}
+                    "tiers": {"device": engine.cached_hashes()}}
         return await self.engine.call(take)
 
 

@@ -12,6 +12,7 @@ All three compute the same function; the native path keeps its sums in fp32 thro
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,14 +22,20 @@ from tokenmill.engine.kernels import grouped_experts
 from tokenmill.engine.kernels.packed_linear import PackedLinear, bf16_packing_available, pack_experts
 from tokenmill.textgen.model_config import MoEConfig
 
+if TYPE_CHECKING:
+    from tokenmill.engine.parallel.expert_exchange import ExpertExchange
+
 class SparseMoE(nn.Module):
     """Top-k softmax router; each expert runs only on the tokens routed to it.
 
     On an expert-parallel rank it holds only `local_experts` = [first, stop): the router still
     scores every expert, the assignments to other ranks' experts are skipped here, and `reduce`
     (set by the rank) sums the ranks' partial outputs. Tensor-parallel ranks hold every expert
-    with a slice of its intermediate size, and reduce the same way."""
+    with a slice of its intermediate size, and reduce the same way. Under attention data
+    parallelism each rank has its own tokens instead: `exchange` brings every rank's tokens
+    (and router choices) here and takes each rank's sums back."""
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    exchange: ExpertExchange | None = None
 
     def __init__(self, hidden: int, moe: MoEConfig, local_experts: tuple[int, int] | None = None) -> None:
         super().__init__()
@@ -52,6 +59,9 @@ class SparseMoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        dtype = x.dtype
+        if self.exchange is not None:
+            x, experts, weights = self.exchange.dispatch(x, experts, weights)
         experts = self._local_ids(experts)
         panels = self._native_panels(x)
         if panels is not None:
@@ -59,6 +69,8 @@ class SparseMoE(nn.Module):
             out = out.to(x.dtype)
         else:
             out = self._per_expert(x, experts, weights.to(x.dtype))
+        if self.exchange is not None:
+            return self.exchange.combine(out, dtype)
         return out if self.reduce is None else self.reduce(out)
 
     def _local_ids(self, experts: torch.Tensor) -> torch.Tensor:

@@ -91,9 +91,20 @@ class CausalLM(nn.Module):
         batch: AttentionBatch, logits_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Logits (fp32) for the rows in `logits_rows` only; writes every token's K/V."""
+        return self.logits(self.final_hidden(input_ids, positions, kv_cache, batch, logits_rows))
+
+    @torch.inference_mode()
+    def final_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+        batch: AttentionBatch, logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The last norm's output for the rows in `logits_rows` (what the LM head reads)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, kv_cache[i], batch)
-        x = self.norm(x.index_select(0, logits_rows))
-        return self.lm_head(x).float()
+        return self.norm(x.index_select(0, logits_rows))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

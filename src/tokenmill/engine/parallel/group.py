@@ -1,5 +1,6 @@
 """The ranks of one worker as a gloo process group on loopback, and the collectives the
-forward pass needs: all-reduce of partial sums, and rank 0's step broadcast as bytes.
+forward pass needs: all-reduce of partial sums, rank 0's step broadcast as bytes, and (wide
+EP under attention DP) all-gather and reduce-scatter of equal-sized row blocks.
 
 Each worker makes its own group object (a TCPStore on a free port, `ProcessGroupGloo` on
 127.0.0.1) instead of torch.distributed's process-wide default group, so several engines can
@@ -41,6 +42,24 @@ class RankGroup:
         buf = t.float().contiguous()
         self.group.allreduce([buf]).wait()
         out = buf.to(t.dtype)
+        self.collective_seconds += time.perf_counter() - started
+        return out
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` (same shape on all), stacked in rank order, in fp32."""
+        started = time.perf_counter()
+        mine = t.float().contiguous()
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        self.group.allgather([parts], [mine]).wait()
+        self.collective_seconds += time.perf_counter() - started
+        return torch.stack(parts)
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows [rank·n, (rank+1)·n) of the sum over ranks of `t` ([world·n, ...]), in fp32."""
+        started = time.perf_counter()
+        parts = [p.contiguous() for p in t.float().chunk(self.world)]
+        out = torch.empty_like(parts[0])
+        self.group.reduce_scatter([out], [parts]).wait()
         self.collective_seconds += time.perf_counter() - started
         return out
 

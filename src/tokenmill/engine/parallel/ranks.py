@@ -15,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 
@@ -22,6 +23,7 @@ from tokenmill.engine.attention import AttentionBatch
 from tokenmill.engine.models.layers import GatedMLP
 from tokenmill.engine.models.moe import SparseMoE
 from tokenmill.engine.models.transformer import Attention, CausalLM
+from tokenmill.engine.parallel.expert_exchange import ExpertExchange
 from tokenmill.engine.parallel.group import DEFAULT_TIMEOUT, RankGroup
 from tokenmill.engine.parallel.shard import ParallelLayout, Shard
 from tokenmill.engine.parallel.step_wire import STOP, pack_step
@@ -44,18 +46,27 @@ class RankSpec:
     def argv(self, rank: int, port: int, timeout: timedelta) -> list[str]:
         return [sys.executable, "-m", "tokenmill.engine.parallel.follower", "--model", self.model,
                 "--dtype", self.dtype, "--tp", str(self.layout.tp), "--ep", str(self.layout.ep),
+                "--attention-dp", str(self.layout.dp),
                 "--rank", str(rank), "--port", str(port), "--num-blocks", str(self.num_blocks),
                 "--block-size", str(self.block_size), "--max-positions", str(self.max_positions),
                 "--threads", str(self.threads), "--timeout-s", str(timeout.total_seconds())]
 
 
-def attach_collectives(model: CausalLM, shard: Shard, group: RankGroup) -> None:
-    """Every module whose output is a partial sum on this rank ends in the group's all-reduce."""
+def attach_collectives(model: CausalLM, shard: Shard, group: RankGroup) -> ExpertExchange | None:
+    """Every module whose output is a partial sum on this rank ends in the group's all-reduce;
+    under attention DP the MoE layers exchange tokens instead (the exchange is returned)."""
+    if shard.layout.dp > 1:
+        exchange = ExpertExchange(group)
+        for module in model.modules():
+            if isinstance(module, SparseMoE):
+                module.exchange = exchange
+        return exchange
     for module in model.modules():
         if (isinstance(module, Attention) and shard.attention_split) \
                 or (isinstance(module, GatedMLP) and shard.mlp_split) \
                 or (isinstance(module, SparseMoE) and shard.moe_split):
             module.reduce = group.all_reduce
+    return None
 
 
 class RankProcesses:
@@ -114,11 +125,15 @@ class ParallelRunner(TorchModelRunner):
             self.ranks.send(pack_step(input_ids, positions, batch, logits_rows))
             return super().forward(input_ids, positions, batch, logits_rows)
         except RuntimeError as exc:
-            if not self.exit_on_rank_loss:
-                raise
-            log.critical("a rank of this worker is gone (%s); exiting so the worker restarts whole", exc)
-            self.ranks.kill()
-            os._exit(EXIT_RANK_LOST)
+            self.rank_lost(exc)
+
+    def rank_lost(self, exc: RuntimeError) -> NoReturn:
+        """A collective failed: raise it again, or exit the process (`exit_on_rank_loss`)."""
+        if not self.exit_on_rank_loss:
+            raise exc
+        log.critical("a rank of this worker is gone (%s); exiting so the worker restarts whole", exc)
+        self.ranks.kill()
+        os._exit(EXIT_RANK_LOST)
 
     def close(self) -> None:
         self.ranks.stop()

@@ -7,6 +7,9 @@ and down row-parallel, and each block half ends in one all-reduce. With `ep == w
 experts themselves are split (rank r holds a contiguous range); every rank runs the router
 over all experts and computes the assignments to its own, and the MoE output is all-reduced.
 With EP alone attention and dense layers run whole on every rank (replicated, no collective).
+With attention DP (`dp == ep == world`, the wide-EP layout) the shards are EP's, but each rank
+runs attention and dense layers for its own requests on its own KV, and the MoE layers
+exchange tokens between ranks (`expert_exchange.py`) instead of summing replicated work.
 The embedding, norms, router and LM head are whole on every rank (the documented simpler
 choice over vocabulary parallelism: they are small next to the experts).
 """
@@ -35,6 +38,7 @@ class LayoutError(ValueError):
 class ParallelLayout:
     tp: int = 1
     ep: int = 1
+    dp: int = 1  # attention data parallel: each rank its own requests and KV (with ep == dp)
 
     @property
     def world(self) -> int:
@@ -42,9 +46,13 @@ class ParallelLayout:
 
     def validate(self, cfg: ModelConfig, cores: int) -> None:
         """Raises LayoutError naming the flag at fault."""
-        for flag, n in (("--tp", self.tp), ("--ep", self.ep)):
+        for flag, n in (("--tp", self.tp), ("--ep", self.ep), ("--attention-dp", self.dp)):
             if n < 1:
                 raise LayoutError(flag, f"must be at least 1, got {n}")
+        if self.dp > 1 and (self.ep != self.dp or self.tp != 1):
+            raise LayoutError("--attention-dp", f"{self.dp} needs --ep {self.dp} and no --tp (the wide-EP "
+                                                f"layout: attention data-parallel, experts split), got "
+                                                f"--ep {self.ep} --tp {self.tp}")
         if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
             raise LayoutError("--ep", f"with --tp {self.tp} must be 1 or {self.tp} (one group of ranks)")
         if self.world > cores:
@@ -62,9 +70,9 @@ class ParallelLayout:
 def check_layout(config: EngineConfig) -> ParallelLayout:
     """The engine config's layout, checked against its model and this machine (torch-free, so a
     frontend can refuse bad flags before any worker starts). Raises LayoutError."""
-    layout = ParallelLayout(config.tp, config.ep)
-    if layout.world > 1:
-        flag = "--tp" if config.tp > 1 else "--ep"
+    layout = ParallelLayout(config.tp, config.ep, config.attention_dp)
+    if layout.world > 1 or layout.dp > 1:
+        flag = "--tp" if config.tp > 1 else "--attention-dp" if config.attention_dp > 1 else "--ep"
         if config.runner != "torch":
             raise LayoutError(flag, "needs --runner torch (the mock runner has no forward pass to split)")
         if config.kv_tiers_enabled:

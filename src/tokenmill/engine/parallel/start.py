@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.parallel.dp_runner import DataParallelRunner
 from tokenmill.engine.parallel.ranks import ParallelRunner, RankProcesses, RankSpec, attach_collectives
 from tokenmill.engine.parallel.shard import check_layout, shard_for
 from tokenmill.engine.runner_protocol import KVAllocator
@@ -26,9 +27,11 @@ def parallel_runner(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, 
     try:
         shard = shard_for(cfg, layout, 0)
         model = load_model(config.model, cfg, dtype, max_positions, shard)
-        attach_collectives(model, shard, ranks.group)
-        return ParallelRunner(ranks, model, shard.local_config(cfg), num_blocks, config.block_size, dtype,
-                              config.seed, exit_on_rank_loss=config.exit_on_rank_loss)
+        exchange = attach_collectives(model, shard, ranks.group)
+        args = (ranks, model, shard.local_config(cfg), num_blocks, config.block_size, dtype, config.seed)
+        if exchange is not None:
+            return DataParallelRunner(exchange, *args, exit_on_rank_loss=config.exit_on_rank_loss)
+        return ParallelRunner(*args, exit_on_rank_loss=config.exit_on_rank_loss)
     except BaseException:
         ranks.kill()
         raise

@@ -12,6 +12,7 @@ import torch
 from tokenmill.engine.attention import AttentionBatch, DecodeBatch, SeqSpan
 
 STOP = b""
+Step = tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]  # ids, positions, batch, logits rows
 
 
 def _array(t: torch.Tensor) -> list[Any]:
@@ -36,9 +37,21 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, batch: Attention
     })
 
 
-def unpack_step(data: bytes) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
+def unpack_step(data: bytes) -> Step:
     m = msgpack.unpackb(data)
     spans = [SeqSpan(start, qlen, ctx, _tensor(blocks)) for start, qlen, ctx, blocks in m["spans"]]
     decode = None if m["decode"] is None else DecodeBatch(*(_tensor(x) for x in m["decode"]))
     batch = AttentionBatch(_tensor(m["slots"]), spans, decode, m["native_prefill"])
     return _tensor(m["ids"]), _tensor(m["pos"]), batch, _tensor(m["logits"])
+
+
+def pack_ranks_step(counts: list[int], rows: list[int], steps: list[Step]) -> bytes:
+    """An attention-DP step: every rank's token and logits-row counts, and ranks 1..N-1's own
+    inputs (`steps`, in rank order)."""
+    return msgpack.packb({"counts": counts, "rows": rows, "steps": [pack_step(*s) for s in steps]})
+
+
+def unpack_ranks_step(data: bytes, rank: int) -> tuple[list[int], list[int], Step]:
+    """The counts, and rank `rank`'s (>= 1) own inputs."""
+    m = msgpack.unpackb(data)
+    return m["counts"], m["rows"], unpack_step(m["steps"][rank - 1])
