@@ -29,7 +29,7 @@ def test_ranks_schedule_their_own_requests_and_prefixes_find_their_rank(tiny_moe
     dp = make_engine(tiny_moe, ep=2, attention_dp=2)
     try:
         assert len(dp.schedulers) == 2 and dp.stats().num_blocks == 2 * single.stats().num_blocks
-        first = dict(zip("abcd", prompts(single, 4, seed=11, low=40, high=90)))
+        first = dict(zip("abcd", prompts(single, 4, seed=11, low=60, high=61)))  # 4 blocks each
         for rid, prompt in first.items():
             dp.add_request(rid, prompt, GREEDY)
         assert [dp.requests[rid].dp_rank for rid in "abcd"] == [0, 1, 0, 1]  # the less loaded rank
@@ -41,7 +41,15 @@ def test_ranks_schedule_their_own_requests_and_prefixes_find_their_rank(tiny_moe
         turn = first["b"] + [7, 8, 9]
         dp.add_request("b2", turn, GREEDY)
         assert dp.requests["b2"].dp_rank == 1
-        dp.abort("b2")
+        # ... but not once rank 1 is busier by more than the prefix saves (3 blocks)
+        longs = prompts(single, 2, seed=13, low=150, high=151)  # 10 blocks each
+        dp.add_request("long", longs[0], GREEDY)
+        dp.add_request("long2", longs[1], GREEDY)
+        assert [dp.requests[r].dp_rank for r in ("long", "long2")] == [0, 1]  # rank 1: 4 + 10 blocks
+        dp.add_request("b3", turn, GREEDY)
+        assert dp.requests["b3"].dp_rank == 0  # 4 to compute + 10 held, against 1 + 14
+        for rid in ("b2", "long", "long2", "b3"):
+            dp.abort(rid)
         out = _run(dp, {"b2": turn})
         assert out == _run(single, {"b2": turn})
         assert dp.stats().device_hit_tokens > 0

@@ -44,8 +44,8 @@ def test_parallel_logits_and_outputs_match_one_process_and_transformers(model_di
 
 
 def test_a_killed_rank_fails_the_worker_instead_of_hanging(tiny_moe: Path) -> None:
-    """SIGKILL of rank 1: rank 0's next step raises within the group's timeout (its peer's
-    connection closes), and closing afterwards leaves no process behind."""
+    """SIGKILL of rank 1: rank 0's next step raises within the group's timeout (the peer's
+    process is found gone), and closing afterwards leaves no process behind."""
     engine = make_engine(tiny_moe, tp=2)
     proc = engine.runner.ranks.procs[0]
     try:

@@ -1,5 +1,6 @@
 """Search, Pareto frontier and the `tokenmill sim` CLI contract."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -71,7 +72,8 @@ def test_calibrate_writes_a_loadable_cpu_local_entry(tmp_path):
     path = tmp_path / "cpu.json"
     assert main(["sim", "calibrate", "--quick", "--out", str(path)]) == 0
     gpu = get_gpu("cpu-local", cpu_local_file=path)
-    assert gpu.fp32_flops > 1e8 and gpu.hbm_bw > 1e8 and gpu.domain_size == 1
+    assert gpu.fp32_flops > 1e8 and gpu.hbm_bw > 1e8
+    assert gpu.domain_size == (os.cpu_count() or 1)  # the ranks of a parallel worker share this host
 
 
 def test_step_coefficients_are_positive_and_track_the_model():

@@ -210,6 +210,12 @@ def _table_rows(r: EngineBenchReport) -> list[tuple[str, str]]:
             ("decode step vs floor", f"{f.mean_decode_step_ms:.2f} ms vs {f.floor_ms:.2f} ms "
                                      f"({f.decode_step_over_floor:.1f}x)"),
         ]
+    return rows + _parallel_rows(r)
+
+
+def _parallel_rows(r: EngineBenchReport) -> list[tuple[str, str]]:
+    """A parallel run's time in collectives, and the simulator's decode step beside the measured."""
+    rows = []
     if r.parallel is not None:
         p = r.parallel
         layout = f"tp {p['tp']} / ep {p['ep']}"

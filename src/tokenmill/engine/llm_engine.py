@@ -224,24 +224,27 @@ class LLMEngine:
         return self.schedulers[request.dp_rank]
 
     def _place(self, request: Request) -> int:
-        """The attention data-parallel rank for a new request: the one whose pool holds the
-        longest run of its prefix, then the one with the fewest requests, then the lowest."""
+        """The attention data-parallel rank for a new request: the least cost in blocks, where a
+        rank's cost is the prompt blocks it would have to compute (those its pool does not
+        hold) plus the blocks its own requests hold or will need (as the router weighs a
+        worker); ties go to the lowest rank. A cached prefix draws a request to its rank only
+        while that rank is not the more loaded by more than the prefix saves."""
         if len(self.schedulers) == 1:
             return 0
         bs = self.config.block_size
         tokens = request.token_ids[:(len(request.token_ids) - 1) // bs * bs]
         hashes = block_hashes(tokens, bs, self.config.hash_seed, extra_key=request.extra_key)
+        prompt_blocks = -(-len(request.token_ids) // bs)
 
-        def cached_blocks(pool: BlockPool) -> int:
-            for i, h in enumerate(hashes):
-                if pool.lookup(h, tokens[i * bs:(i + 1) * bs]) is None:
-                    return i
-            return len(hashes)
-
-        def rank_order(r: int) -> tuple[int, int, int]:
-            scheduler = self.schedulers[r]
-            return cached_blocks(self.pools[r]), -len(scheduler.running) - len(scheduler.waiting), -r
-        return max(range(len(self.schedulers)), key=rank_order)
+        def cost(rank: int) -> int:
+            pool, cached = self.pools[rank], 0
+            while cached < len(hashes) and pool.lookup(hashes[cached], tokens[cached * bs:(cached + 1) * bs]):
+                cached += 1
+            scheduler = self.schedulers[rank]
+            load = sum(-(-r.num_tokens // bs) - r.num_cached_tokens // bs
+                       for r in (*scheduler.running, *scheduler.waiting))
+            return prompt_blocks - cached + load
+        return min(range(len(self.schedulers)), key=cost)
 
     def cached_hashes(self) -> list[int]:
         """The chained hashes of every block in the device prefix cache (a KV snapshot)."""

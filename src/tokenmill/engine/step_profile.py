@@ -85,9 +85,12 @@ class StepProfiler:
 
     def __enter__(self) -> StepProfiler:
         self._hook_modules(self.engine.runner.model)
-        self._wrap(self.engine.scheduler, "schedule", "scheduling")
+        for scheduler in self.engine.schedulers:  # one per attention-DP rank
+            self._wrap(scheduler, "schedule", "scheduling")
         self._wrap(self.engine.runner, "_prepare", "inputs")
-        self._wrap(self.engine.runner, "execute", "sampling")  # what the model and inputs leave of it
+        # what the model and inputs leave of the runner's call is sampling
+        self._wrap(self.engine.runner, "execute_ranks" if len(self.engine.schedulers) > 1 else "execute",
+                   "sampling")
         self._wrap(self.engine, "step", "engine", self._record)
         return self
 

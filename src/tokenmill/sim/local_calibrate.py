@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -94,10 +95,11 @@ def calibrate_local(out: Path | None = None, quick: bool = False, model: str | N
     return path
 
 
-def _measure_links(entry: dict, measured: str) -> None:
+def _measure_links(entry: dict[str, Any], measured: str) -> None:
     """The link between rank processes (what a parallel worker's collectives cross here): the
-    engine's own gloo collectives on two ranks over loopback, each fitted as latency + bytes ÷
-    bandwidth. The ranks share one host, so every rank count sits in one "domain"."""
+    engine's own collectives on two ranks (shared memory, or gloo over loopback where the
+    native rank sync does not build), each fitted as latency + bytes ÷ bandwidth. The ranks
+    share one host, so every rank count sits in one "domain"."""
     cores = os.cpu_count() or 1
     if cores < 2:
         log.info("cpu-local: one core, no rank-to-rank link to measure")
@@ -112,7 +114,7 @@ def _measure_links(entry: dict, measured: str) -> None:
              latency * 1e6, bandwidth / 1e9, pair_latency / 2 * 1e6)
     entry.update(collective_latency_s=latency, nvlink_bw=bandwidth, a2a_latency_s=pair_latency / 2,
                  domain_size=cores)
-    note = f"{measured} (gloo over loopback between 2 rank processes, latency + bytes/bandwidth fit)"
+    note = f"{measured} (the engine's collectives between 2 rank processes, latency + bytes/bandwidth fit)"
     entry["sources"].update({name: note for name in ("collective_latency_s", "nvlink_bw", "a2a_latency_s")})
     entry["sources"]["domain_size"] = "every rank of a parallel worker runs on this host"
 
@@ -121,7 +123,9 @@ def _latency_and_bandwidth(points: list[tuple[int, float]]) -> tuple[float, floa
     """Latency from the smallest message, bandwidth from the slope up to the largest (a
     least-squares line would let the large messages' noise set the latency, even below zero)."""
     (small, t_small), (large, t_large) = min(points), max(points)
-    return t_small, (large - small) / max(t_large - t_small, 1e-9)
+    if t_large <= t_small:  # noise swamped the slope: the large message's own rate, a lower bound
+        return t_small, large / t_large
+    return t_small, (large - small) / (t_large - t_small)
 
 
 def _fit_to_engine(entry: dict, path: Path, model: str, threads: int, measured: str) -> None:

@@ -25,6 +25,7 @@ from tokenmill.textgen.model_config import MoEConfig
 if TYPE_CHECKING:
     from tokenmill.engine.parallel.expert_exchange import ExpertExchange
 
+
 class SparseMoE(nn.Module):
     """Top-k softmax router; each expert runs only on the tokens routed to it.
 

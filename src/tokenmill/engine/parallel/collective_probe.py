@@ -1,4 +1,4 @@
-"""Time the collectives a parallel worker runs, on `world` rank processes over loopback, for
+"""Time the collectives a parallel worker runs, on `world` rank processes of this host, for
 `tokenmill sim calibrate` to fit the `cpu-local` link to: the all-reduce that ends TP and EP
 block halves, and the all-gather + reduce-scatter pair of the attention-DP expert exchange.
 
@@ -35,7 +35,9 @@ def measure(world: int = 2, repeats: int = 30) -> list[CollectiveTiming]:
             "--repeats", str(repeats)]
     procs = [subprocess.Popen([*argv, "--rank", str(rank)]) for rank in range(1, world)]
     try:
-        return _time_collectives(RankGroup(0, world, store.port, store=store), repeats)
+        group = RankGroup(0, world, store.port, store=store)
+        timings = _time_collectives(group, repeats)
+        group.close()
     finally:
         for proc in procs:
             try:
@@ -43,6 +45,9 @@ def measure(world: int = 2, repeats: int = 30) -> list[CollectiveTiming]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+    if any(proc.returncode for proc in procs):
+        raise RuntimeError(f"collective probe: a rank failed (exit codes {[p.returncode for p in procs]})")
+    return timings
 
 
 def _time_collectives(group: RankGroup, repeats: int) -> list[CollectiveTiming]:

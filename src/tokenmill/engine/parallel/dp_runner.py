@@ -1,7 +1,7 @@
 """Attention data parallelism with wide expert parallelism: one forward step over every rank's
 own batch.
 
-Rank 0 keeps a scheduler and a KV pool's bookkeeping per rank (`dp_engine.py`); each step it
+Rank 0 keeps a scheduler and a KV pool's bookkeeping per rank (`LLMEngine.schedulers`); each step it
 prepares every rank's inputs against that rank's block table and broadcasts them in one
 message. Every rank then runs attention and dense layers on its own tokens and KV, and the MoE
 layers through the expert exchange; a rank with nothing scheduled runs zero tokens and still
@@ -10,6 +10,8 @@ and rank 0 applies the LM head and samples for all (the LM head's weights are re
 step whatever the rows, so one rank doing it costs little more than each doing its own).
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -41,7 +43,7 @@ def run_rank_step(model: CausalLM, kv_cache: torch.Tensor, exchange: ExpertExcha
 class DataParallelRunner(ParallelRunner):
     """Rank 0's runner: `execute_ranks` runs one step of every rank's scheduler output."""
 
-    def __init__(self, exchange: ExpertExchange, *args, **kwargs) -> None:
+    def __init__(self, exchange: ExpertExchange, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.exchange = exchange
         self.world = exchange.group.world
@@ -60,7 +62,8 @@ class DataParallelRunner(ParallelRunner):
         return self._run([(input_ids, positions, batch, logits_rows), *([empty] * (self.world - 1))])
 
     def _empty_step(self) -> Step:
-        return self._prepare(SchedulerOutput(), None)  # type: ignore[arg-type]  # no seq reads the KV
+        nothing = torch.zeros(0, dtype=torch.long)
+        return nothing, nothing, AttentionBatch(nothing, [], None, self.native_prefill), nothing
 
     def _run(self, steps: list[Step]) -> torch.Tensor:
         """Logits (fp32) of every rank's rows to sample, in rank order."""

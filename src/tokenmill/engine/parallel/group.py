@@ -13,6 +13,7 @@ setup and any message larger than a shared slot.
 """
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +27,8 @@ from tokenmill.engine.parallel.shm_collectives import ShmCollectives
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 IDLE_WAIT = timedelta(days=7)  # a follower between steps: bounded only by its peers' liveness
 SHM_KEY = "tokenmill/shm"
+
+log = logging.getLogger(__name__)
 
 
 class RankGroup:
@@ -42,19 +45,39 @@ class RankGroup:
         self.collective_seconds = 0.0  # wall time in all-reduces and step broadcasts (benchmarks)
 
     def _attach_shared_memory(self, timeout: timedelta) -> ShmCollectives | None:
-        """Rank 0 makes the segment and names it in the store ("" for none); once every rank
-        has mapped it, its name goes (the mappings stay), so nothing is left behind a crash."""
-        if self.rank == 0:
-            path = shm_collectives.segment_path() if shm_collectives.available() else None
-            shm = ShmCollectives(path, 0, self.world, timeout, create=True) if path else None
-            self.store.set(SHM_KEY, str(path or ""))
-        else:
-            name = self.store.get(SHM_KEY).decode()
-            shm = ShmCollectives(Path(name), self.rank, self.world, timeout, create=False) if name else None
-        self.group.barrier().wait()
-        if shm is not None and self.rank == 0:
-            shm.unlink()
+        """Rank 0 makes the segment and names it in the store ("" for none: gloo carries
+        everything); once every rank has mapped it, or failed to, its name goes (the mappings
+        stay), so nothing is left behind a crash. Raises RuntimeError when a rank cannot join."""
+        if self.rank != 0:
+            return self._join_shared_memory(timeout)
+        shm = None
+        if shm_collectives.available():
+            try:
+                shm = ShmCollectives(shm_collectives.segment_path(), 0, self.world, timeout, create=True)
+            except OSError as exc:
+                log.warning("rank collectives through gloo only: no shared segment (%s)", exc)
+        self.store.set(SHM_KEY, str(shm.path) if shm else "")
+        try:
+            self.group.barrier().wait()
+        finally:
+            if shm is not None:
+                shm.unlink()
         return shm
+
+    def _join_shared_memory(self, timeout: timedelta) -> ShmCollectives | None:
+        name = self.store.get(SHM_KEY).decode()
+        if name and not shm_collectives.available():
+            raise RuntimeError(f"rank {self.rank}: rank 0 uses shared-memory collectives, and this rank "
+                               "cannot build the native rank sync")
+        try:
+            return ShmCollectives(Path(name), self.rank, self.world, timeout, create=False) if name else None
+        finally:
+            self.group.barrier().wait()
+
+    def close(self) -> None:
+        """Unmap the shared segment; the group is unusable after this."""
+        if self.shm is not None:
+            self.shm.close()
 
     @staticmethod
     def listen(world: int, timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:

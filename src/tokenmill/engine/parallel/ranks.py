@@ -4,8 +4,9 @@ step's inputs before running its own share of the forward pass (`ParallelRunner`
 
 Ownership: rank 0 keeps the scheduler, the KV bookkeeping, sampling and the worker's socket;
 the other ranks hold only their weight shards and their KV heads, and follow. A rank that dies
-makes the next collective on every other rank raise within the group's timeout (a follower
-then exits), so the worker fails as a whole instead of hanging.
+makes the collective every other rank waits in raise (its process is found gone, or its gloo
+connection closes; the group's timeout bounds the rest), a follower then exits, and the worker
+fails as a whole instead of hanging.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -70,16 +72,19 @@ def attach_collectives(model: CausalLM, shard: Shard, group: RankGroup) -> Exper
 
 
 class RankProcesses:
-    """Ranks 1..N-1 as child processes, and rank 0's membership of their group."""
+    """Ranks 1..N-1 as child processes, and rank 0's membership of their group. An engine
+    dropped without `close()` still takes its ranks with it (they would otherwise idle, each
+    holding its weights, while this process lives)."""
 
     def __init__(self, spec: RankSpec, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         world = spec.layout.world
         store = RankGroup.listen(world, timeout)
         self.procs = [subprocess.Popen(spec.argv(rank, store.port, timeout)) for rank in range(1, world)]
+        weakref.finalize(self, _kill, self.procs)
         try:
             self.group = RankGroup(0, world, store.port, timeout, store=store)
-        except RuntimeError:
-            self.kill()
+        except BaseException:
+            _kill(self.procs)
             raise
 
     def send(self, message: bytes) -> None:
@@ -97,11 +102,16 @@ class RankProcesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.group.close()
 
     def kill(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
+        _kill(self.procs)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
 
 
 EXIT_RANK_LOST = 70
