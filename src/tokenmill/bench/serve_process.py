@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from tokenmill.procs import process_alive
 from tokenmill.transfer.memory import remove_shared_files_of
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def stop(server: ServeProcess) -> None:
             server.process.wait()
     pids = {int(info["pid"]) for info in workers + server.registry() if str(info.get("pid", "")).isdigit()}
     deadline = time.monotonic() + STOP_GRACE_S  # workers stop on their own once serve is gone
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in pids:
         try:
@@ -100,23 +101,6 @@ def stop(server: ServeProcess) -> None:
         except (ProcessLookupError, PermissionError):
             pass  # already gone
         remove_shared_files_of(pid)  # what a killed worker could not unlink (its KV pool)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def start_serve(serve_flags: Sequence[str], num_workers: int, run_dir: Path, log_path: Path,

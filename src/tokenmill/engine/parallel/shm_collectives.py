@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.kernels import load_library
+from tokenmill.procs import process_alive
 
 SLOT_BYTES = 4 << 20  # per rank and buffer; larger messages go through gloo
 # bytes per rank in the header, one cache line of int64 fields: the counter (a uint32 in field 0),
@@ -183,20 +184,6 @@ class ShmCollectives:
 
     def _check_peers(self) -> None:
         for rank, pid in enumerate(self._header[:, PID].tolist()):
-            if rank != self.rank and pid and not _alive(pid):
+            if rank != self.rank and pid and not process_alive(pid):
                 raise RuntimeError(f"rank {rank} (pid {pid}) is gone")
 
-
-def _alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (a killed child its parent has not reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
