@@ -95,7 +95,7 @@ def test_a_rank_reads_only_its_slice_of_each_tensor(moe_cfg: ModelConfig) -> Non
     (["--tp", "2", "--prefill", "1", "--decode", "1"], "--tp: disaggregated serving"),
     (["--attention-dp", "2"], "--attention-dp: 2 needs --ep 2"),
     (["--attention-dp", "0"], "--attention-dp: must be at least 1"),
-    (["--ep", "2", "--attention-dp", "2", "--kv-disk-dir", "/tmp/x"], "--attention-dp: KV tiers"),
+    (["--ep", "2", "--attention-dp", "2", "--kv-disk-dir", "kv-disk"], "--attention-dp: KV tiers"),
 ])
 def test_serve_refuses_bad_parallel_flags_with_exit_2(tiny_moe: Path, flags: list[str], message: str) -> None:
     run = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(tiny_moe), *flags],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -86,39 +87,41 @@ class RankGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, summed in fp32 (gloo has no bf16 sum) and returned in t's dtype."""
-        started = time.perf_counter()
-        if self.shm is not None and self.shm.fits(t.numel() * 4):
-            out = self.shm.all_reduce(t).to(t.dtype)
-        else:
-            buf = t.float().contiguous()
-            self.group.allreduce([buf]).wait()
-            out = buf.to(t.dtype)
-        self.collective_seconds += time.perf_counter() - started
-        return out
+        return self._collective(t, "all_reduce", self._gloo_all_reduce).to(t.dtype)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t` (same shape on all), stacked in rank order, in fp32."""
-        started = time.perf_counter()
-        if self.shm is not None and self.shm.fits(t.numel() * 4):
-            out = self.shm.all_gather(t)
-        else:
-            mine = t.float().contiguous()
-            parts = [torch.empty_like(mine) for _ in range(self.world)]
-            self.group.allgather([parts], [mine]).wait()
-            out = torch.stack(parts)
-        self.collective_seconds += time.perf_counter() - started
-        return out
+        return self._collective(t, "all_gather", self._gloo_all_gather)
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """Rows [rank·n, (rank+1)·n) of the sum over ranks of `t` ([world·n, ...]), in fp32."""
+        return self._collective(t, "reduce_scatter", self._gloo_reduce_scatter)
+
+    def _collective(self, t: torch.Tensor, name: str,
+                    gloo: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Through shared memory when `t` fits a slot (the same answer on every rank: the shapes
+        agree), else through gloo; timed for `collective_seconds`."""
         started = time.perf_counter()
         if self.shm is not None and self.shm.fits(t.numel() * 4):
-            out = self.shm.reduce_scatter(t)
+            out = getattr(self.shm, name)(t)
         else:
-            parts = [p.contiguous() for p in t.float().chunk(self.world)]
-            out = torch.empty_like(parts[0])
-            self.group.reduce_scatter([out], [parts]).wait()
+            out = gloo(t.float().contiguous())
         self.collective_seconds += time.perf_counter() - started
+        return out
+
+    def _gloo_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.group.allreduce([t]).wait()
+        return t
+
+    def _gloo_all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        self.group.allgather([parts], [t]).wait()
+        return torch.stack(parts)
+
+    def _gloo_reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [p.contiguous() for p in t.chunk(self.world)]
+        out = torch.empty_like(parts[0])
+        self.group.reduce_scatter([out], [parts]).wait()
         return out
 
     def broadcast_bytes(self, data: bytes | None, wait: timedelta | None = None) -> bytes:
