@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.bench.engine_bench import EngineBenchConfig, make_workload, run_engine_bench
-from tokenmill.bench.report import decode_weight_bytes, expected_experts_touched, write_json
+from tokenmill.bench.report import decode_flops, decode_weight_bytes, expected_experts_touched, write_json
 from tokenmill.cli import main
 from tokenmill.textgen.model_config import load_model_config
 
@@ -20,7 +20,8 @@ TOKENMILL_KEYS = {"output_tokens_per_s", "wall_s", "mean_step_ms", "mean_decode_
                   "preemptions", "output_tokens"}
 HF_KEYS = {"useful_output_tokens_per_s", "requests_run", "wall_s", "batch_size", "useful_output_tokens"}
 FLOOR_KEYS = {"bandwidth_gbps", "decode_batch_mean", "bytes_per_decode_step", "floor_ms",
-              "decode_step_over_floor"}
+              "decode_step_over_floor", "matmul_gflops", "flops_per_decode_step", "compute_floor_ms",
+              "decode_step_over_compute_floor"}
 
 
 def tiny_config(model: Path, json_path: Path, **overrides: object) -> EngineBenchConfig:
@@ -106,6 +107,19 @@ def test_expert_bytes_grow_with_batch_up_to_all_experts(tiny_moe: Path) -> None:
     assert expected_experts_touched(16, 2, 1000) == pytest.approx(16.0)
     cfg = load_model_config(tiny_moe)
     assert decode_weight_bytes(cfg, 1, 4) < decode_weight_bytes(cfg, 64, 4)
+
+
+def test_decode_flops_agree_with_the_weights_one_token_reads(tiny_moe: Path) -> None:
+    """One token with no context does a multiply-add per weight it reads (its top-k experts, as
+    the weight count has for a batch of one), bar the norms and its embedding row; each key and
+    value of a context costs a multiply-add per query head and dim, per layer."""
+    cfg = load_model_config(tiny_moe)
+    norms = cfg.num_layers * (2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)) + cfg.hidden_size
+    matmul_params = decode_weight_bytes(cfg, 1, 1) - norms - cfg.hidden_size  # less the embedding row
+    assert decode_flops(cfg, 1, 0) == pytest.approx(2 * matmul_params)
+    assert decode_flops(cfg, 3, 0) == pytest.approx(3 * decode_flops(cfg, 1, 0))
+    per_context_token = 2 * 2 * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    assert decode_flops(cfg, 1, 100) - decode_flops(cfg, 1, 0) == pytest.approx(100 * per_context_token)
 
 
 def test_cli_bad_model_exits_nonzero_naming_the_field(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

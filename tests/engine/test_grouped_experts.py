@@ -55,6 +55,24 @@ def test_moe_kernel_matches_the_reference(tokens: int, top_k: int, experts: int,
     assert _max_error(got, want) <= 1e-5 * max(_max_error(want, 0 * want), 1.0) * (hidden + inter)
 
 
+def test_moe_kernel_silu_holds_at_extreme_gates() -> None:
+    """Gates far past exp's range on both sides, and near 0, through the vector SiLU: with x = e_0,
+    up = 1 and down = I, the layer's output is silu(gate) itself."""
+    gates = torch.tensor([-400.0, -100.0, -88.5, -20.0, -1.0, -1e-3, 0.0, 1e-3,
+                          0.5, 2.0, 20.0, 87.0, 88.5, 100.0, 400.0, -0.75, 3.0])
+    inter = hidden = len(gates)
+    w13 = torch.zeros(1, 2 * inter, hidden)
+    w13[0, :inter, 0] = gates
+    w13[0, inter:, 0] = 1.0
+    w2 = torch.eye(hidden).unsqueeze(0)
+    x = torch.zeros(1, hidden)
+    x[0, 0] = 1.0
+    got = grouped_experts.moe_experts(x, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1),
+                                      grouped_experts.pack_panels(w13), grouped_experts.pack_panels(w2), inter)
+    want = F.silu(gates.double())
+    assert torch.allclose(got[0].double(), want, rtol=1e-6, atol=1e-30)
+
+
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(0, 20), k=st.integers(1, 70), out=st.integers(1, 70), dtype=st.sampled_from(DTYPES),
        seed=st.integers(0, 2**16))

@@ -31,6 +31,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 BANDWIDTH_BYTES = 256 * 2**20
 BANDWIDTH_REPEATS = 5
+MATMUL_SIZE, MATMUL_REPEATS = 512, 10  # 3 MB of fp32 operands: in cache, so the rate is arithmetic
 
 
 @dataclass(slots=True)
@@ -175,6 +176,20 @@ def measure_bandwidth_gbps(threads: int) -> float:
     return 2 * BANDWIDTH_BYTES / best / 1e9
 
 
+def measure_matmul_gflops(threads: int, dtype: str) -> float:
+    """The best in-cache matmul rate here: fp32, or the model's bf16 where torch computes it
+    natively faster (the native kernels widen bf16 to fp32)."""
+    import torch
+
+    from tokenmill.sim.local_calibrate import measure_matmul_flops
+
+    torch.set_num_threads(threads)
+    best = measure_matmul_flops("fp32", MATMUL_SIZE, MATMUL_REPEATS)
+    if dtype == "bfloat16":
+        best = max(best, measure_matmul_flops("bf16", MATMUL_SIZE, 2))
+    return best / 1e9
+
+
 def run_engine_bench(cfg: EngineBenchConfig) -> EngineBenchReport:
     from tokenmill.engine.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
@@ -205,7 +220,8 @@ def run_engine_bench(cfg: EngineBenchConfig) -> EngineBenchReport:
     engine.close()  # a parallel engine's ranks stop here
     del engine  # free its weights and KV cache before transformers loads its copy
     bandwidth = measure_bandwidth_gbps(cfg.threads)
-    floor = decode_floor(model_cfg, ITEMSIZE[cfg.dtype], shapes, bandwidth, tokenmill.mean_decode_step_ms)
+    matmul = measure_matmul_gflops(cfg.threads, cfg.dtype)
+    floor = decode_floor(model_cfg, ITEMSIZE[cfg.dtype], shapes, bandwidth, matmul, tokenmill.mean_decode_step_ms)
     predicted = _predicted_step(cfg, floor)
     hf = None
     if not cfg.skip_hf:

@@ -27,7 +27,10 @@ JSON written by `--json OUT` (schema_version 1; times in seconds unless the key 
                {bandwidth_gbps (best single copy, read+write bytes / s, at --threads),
                 decode_batch_mean, context_tokens_mean (per decode-only step, summed over seqs),
                 weight_bytes_per_decode_step, kv_bytes_per_decode_step,
-                bytes_per_decode_step, floor_ms, mean_decode_step_ms, decode_step_over_floor}
+                bytes_per_decode_step, floor_ms, mean_decode_step_ms, decode_step_over_floor,
+                matmul_gflops (best in-cache 512^3 matmul at --threads, the faster of fp32 and
+                the model's dtype), flops_per_decode_step, compute_floor_ms,
+                decode_step_over_compute_floor}
     }
 
 The floor of a decode step is the bytes it must read once: every non-expert weight
@@ -35,6 +38,12 @@ The floor of a decode step is the bytes it must read once: every non-expert weig
 experts a batch of B tokens is expected to touch, E·(1-(1-k/E)^B), and the K/V of every
 sequence's context; divided by the measured bandwidth. It is averaged over the
 decode-only steps actually run, so it matches `mean_decode_step_ms`.
+
+Beside it, the compute floor: the step's FLOPs (every matmul of the batch's tokens, each token
+through its top-k experts, the LM head, and attention's QK^T and PV over each context) at the
+best matmul rate measured here. A CPU whose vectors widen bf16 to fp32 (no AVX-512 BF16 or
+AMX) can sit above the memory floor on arithmetic alone at a large batch; the step can be
+no faster than the larger of the two floors.
 """
 from __future__ import annotations
 
@@ -98,6 +107,10 @@ class FloorResult:
     floor_ms: float
     mean_decode_step_ms: float
     decode_step_over_floor: float
+    matmul_gflops: float
+    flops_per_decode_step: float
+    compute_floor_ms: float
+    decode_step_over_compute_floor: float
 
 
 @dataclass(slots=True)
@@ -143,24 +156,45 @@ def decode_weight_bytes(cfg: ModelConfig, batch: int, itemsize: int) -> float:
     return params * itemsize
 
 
+def decode_flops(cfg: ModelConfig, batch: float, context_tokens: float) -> float:
+    """FLOPs of one decode step over `batch` sequences whose contexts sum to `context_tokens`."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    macs_per_token = 0.0
+    for layer in range(cfg.num_layers):
+        macs_per_token += h * (q + 2 * kv) + q * h
+        if cfg.moe is not None and layer in cfg.moe.sparse_layers:
+            moe = cfg.moe
+            macs_per_token += moe.num_experts * h + moe.top_k * 3 * h * moe.intermediate_size
+        else:
+            macs_per_token += 3 * h * cfg.intermediate_size
+    macs_per_token += cfg.vocab_size * h
+    attention_macs = 2 * context_tokens * q * cfg.num_layers  # QK^T and PV, each query head
+    return 2 * (batch * macs_per_token + attention_macs)
+
+
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 def decode_floor(cfg: ModelConfig, itemsize: int, shapes: list[DecodeStepShape],
-                 bandwidth_gbps: float, mean_decode_step_ms: float) -> FloorResult | None:
+                 bandwidth_gbps: float, matmul_gflops: float, mean_decode_step_ms: float) -> FloorResult | None:
     if not shapes:
         return None
     n = len(shapes)
     weights = sum(decode_weight_bytes(cfg, s.batch, itemsize) for s in shapes) / n
+    batch_mean = sum(s.batch for s in shapes) / n
     context_mean = sum(s.context_tokens for s in shapes) / n
     kv = context_mean * kv_bytes_per_token(cfg, itemsize)
     floor_ms = (weights + kv) / (bandwidth_gbps * 1e9) * 1e3
+    flops = decode_flops(cfg, batch_mean, context_mean)  # linear in both, so the mean shape's
+    compute_floor_ms = flops / (matmul_gflops * 1e9) * 1e3
     return FloorResult(
-        bandwidth_gbps=bandwidth_gbps, decode_batch_mean=sum(s.batch for s in shapes) / n,
+        bandwidth_gbps=bandwidth_gbps, decode_batch_mean=batch_mean,
         context_tokens_mean=context_mean, weight_bytes_per_decode_step=weights,
         kv_bytes_per_decode_step=kv, bytes_per_decode_step=weights + kv, floor_ms=floor_ms,
         mean_decode_step_ms=mean_decode_step_ms, decode_step_over_floor=mean_decode_step_ms / floor_ms,
+        matmul_gflops=matmul_gflops, flops_per_decode_step=flops, compute_floor_ms=compute_floor_ms,
+        decode_step_over_compute_floor=mean_decode_step_ms / compute_floor_ms,
     )
 
 
@@ -209,6 +243,10 @@ def _table_rows(r: EngineBenchReport) -> list[tuple[str, str]]:
                                       f"{f.kv_bytes_per_decode_step / 1e6:.1f} MB KV"),
             ("decode step vs floor", f"{f.mean_decode_step_ms:.2f} ms vs {f.floor_ms:.2f} ms "
                                      f"({f.decode_step_over_floor:.1f}x)"),
+            ("decode step vs compute floor", f"{f.mean_decode_step_ms:.2f} ms vs {f.compute_floor_ms:.2f} ms "
+                                             f"({f.decode_step_over_compute_floor:.1f}x): "
+                                             f"{f.flops_per_decode_step / 1e9:.2f} GFLOP at "
+                                             f"{f.matmul_gflops:.0f} GFLOP/s"),
         ]
     return rows + _parallel_rows(r)
 

@@ -34,6 +34,13 @@
 #define PANEL 16
 #define ROWS 6 /* rows sharing one pass over a panel: 12 accumulators + 2 weights + 1 row value */
 
+/* Panels are read front to back, yet left to the hardware prefetcher the reads and the FMAs
+ * took turns (a layer's experts ran at about half the copy bandwidth); fetching 2 KB ahead in
+ * the loop overlaps them (~10% faster; 1 or 4 KB measured no better). Past the last panel it
+ * touches nothing: a prefetch never faults. */
+#define LINE 64
+#define PREFETCH_AHEAD 2048
+
 /* acc[r][0..15] = sum_k x[r][k] * panel[k][0..15] for r < nr (nr <= ROWS). Always inlined into
  * a switch on nr, so that each case has a constant row count and its sums live in registers. */
 #if defined(__AVX2__) && defined(__FMA__)
@@ -49,6 +56,8 @@ static inline __attribute__((always_inline)) void NAME##_n(const float *const *x
     for (int r = 0; r < nr; r++) a0[r] = a1[r] = _mm256_setzero_ps();                        \
     for (int k = 0; k < K; k++) {                                                            \
         const T *w = panel + (size_t)k * PANEL;                                              \
+        if (!(k & (LINE / (PANEL * sizeof(T)) - 1))) /* once per cache line */              \
+            __builtin_prefetch((const char *)w + PREFETCH_AHEAD, 0, 3);                      \
         const __m256 lo = LOAD_LO(w), hi = LOAD_HI(w);                                       \
         for (int r = 0; r < nr; r++) {                                                       \
             const __m256 b = _mm256_broadcast_ss(x[r] + k);                                  \
@@ -104,7 +113,10 @@ static void NAME(const float *const *x, float *const *y, int nr, const T *packed
         for (int r0 = 0; r0 < nr; r0 += ROWS) {                                              \
             const int n = nr - r0 < ROWS ? nr - r0 : ROWS;                                   \
             PANEL_FN(x + r0, n, panel, K, acc);                                              \
-            for (int r = 0; r < n; r++) memcpy(y[r0 + r] + j * PANEL, acc[r], sizeof(float) * width); \
+            if (width == PANEL) /* a constant size: inlined, not a call per row */              \
+                for (int r = 0; r < n; r++) memcpy(y[r0 + r] + j * PANEL, acc[r], sizeof(float) * PANEL); \
+            else                                                                             \
+                for (int r = 0; r < n; r++) memcpy(y[r0 + r] + j * PANEL, acc[r], sizeof(float) * width); \
         }                                                                                    \
     }                                                                                        \
 }
@@ -162,6 +174,23 @@ DEFINE_LINEAR(tm_linear_f32, float, 0)
 /* Clamped: exp(-g) overflows below g = -88, and the build assumes finite math. */
 static inline float silu(float g) { return g < -80.f ? 0.f : g / (1.f + expf(-g)); }
 
+/* h[c] = silu(g[c]) * u[c]. The vector form takes e = exp(-|g|) (never overflows):
+ * sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below. */
+static void silu_mul(const float *g, const float *u, float *h, int n) {
+    int c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (; c + 8 <= n; c += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + c);
+        const __m256 e = exp_nonpositive(_mm256_or_ps(gv, sign));  /* -|g| */
+        const __m256 num = _mm256_blendv_ps(one, e, gv);            /* sign bit of g picks e */
+        const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(h + c, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + c)));
+    }
+#endif
+    for (; c < n; c++) h[c] = silu(g[c]) * u[c];
+}
+
 /* Assignments (t, k) grouped by expert, in token order within an expert: order[start[e]..start[e+1]).
  * Id -1 (an expert another rank holds) is left out: start[E] counts the others. */
 static int group_by_expert(const int64_t *ids, int A, int E, int *start, int *order) {
@@ -196,8 +225,7 @@ static void expert_task(void *ctx, int e) {
     const int up_panels = (2 * I + PANEL - 1) / PANEL, down_panels = (H + PANEL - 1) / PANEL;
     if (jb->bf16) rows_bf16(jb->xr + at, jb->gr + at, n, (const uint16_t *)p13, H, 2 * I, 0, up_panels);
     else rows_f32(jb->xr + at, jb->gr + at, n, (const float *)p13, H, 2 * I, 0, up_panels);
-    for (int i = at; i < at + n; i++)
-        for (int c = 0; c < I; c++) jb->h[(size_t)i * I + c] = silu(jb->gr[i][c]) * jb->gr[i][I + c];
+    for (int i = at; i < at + n; i++) silu_mul(jb->gr[i], jb->gr[i] + I, jb->h + (size_t)i * I, I);
     if (jb->bf16) rows_bf16(jb->hr + at, jb->yr + at, n, (const uint16_t *)p2, I, H, 0, down_panels);
     else rows_f32(jb->hr + at, jb->yr + at, n, (const float *)p2, I, H, 0, down_panels);
 }

@@ -87,9 +87,19 @@ DEFINE_KERNEL(generic_f32, float, LOAD_F32)
 
 static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 
-/* Blocks are scattered: the next one is fetched explicitly while this one is read (two blocks
- * ahead, or into every cache level, measured no better). */
+/* Blocks are scattered: the next one is fetched explicitly while this one is read, a slice per
+ * KV head (`prefetch_slice`) between the computations rather than in one burst at the block's
+ * start. A burst fills the load queue that the block being computed needs, so reading and
+ * computing did not overlap; spread out, a decode step's attention took ~25% less time on one
+ * thread and on two (two blocks ahead, or non-temporal hints, measured no better). */
 #define AHEAD 1
+
+/* Slice `part` of `parts` of the `bytes` at p (NULL: nothing to fetch). */
+static inline void prefetch_slice(const char *p, int64_t bytes, int part, int parts) {
+    if (p == NULL) return;
+    for (int64_t off = part * bytes / parts; off < (part + 1) * bytes / parts; off += 64)
+        __builtin_prefetch(p + off, 0, 3);
+}
 
 
 /* lane i = the sum of a[i]'s eight lanes */
@@ -184,11 +194,13 @@ static void NAME(SEQ_ARGS(T)) {                                                 
                 const int64_t t = t0 + (i < n ? i : n - 1);                                   \
                 tok[i] = k + (table[t / BS] * BS + t % BS) * row;                             \
             }                                                                                 \
-            if (t0 % BS < 8 && t0 - t0 % BS + AHEAD * BS < len)                               \
-                prefetch_block(k + table[t0 / BS + AHEAD] * BS * row, BS * row * sizeof(T));   \
+            /* the same 8 tokens' rows one block ahead */                                    \
+            const int64_t ahead = t0 + AHEAD * BS;                                            \
+            const char *next = ahead < len ? (const char *)(k + (table[ahead / BS] * BS + ahead % BS) * row) : NULL; \
             for (int kh = 0; kh < KVH; kh++) {                                                \
                 const T *rows[8];                                                             \
                 for (int i = 0; i < 8; i++) rows[i] = tok[i] + kh * D;                        \
+                prefetch_slice(next, 8 * row * (int64_t)sizeof(T), kh, KVH);                  \
                 NAME##_scores8(qf, rows, n, kh, group, D, len, t0, scores);                   \
             }                                                                                 \
         }                                                                                     \
@@ -198,14 +210,15 @@ static void NAME(SEQ_ARGS(T)) {                                                 
         for (int64_t t0 = 0; t0 < len; t0 += BS) {                                            \
             const T *vblock = v + table[t0 / BS] * BS * row;                                  \
             const int64_t t1 = t0 + BS < len ? t0 + BS : len;                                 \
-            if (t0 + AHEAD * BS < len)                                                        \
-                prefetch_block(v + table[t0 / BS + AHEAD] * BS * row, BS * row * sizeof(T));   \
-            for (int kh = 0; kh < KVH; kh++)                                                  \
+            const char *next = t0 + AHEAD * BS < len ? (const char *)(v + table[t0 / BS + AHEAD] * BS * row) : NULL; \
+            for (int kh = 0; kh < KVH; kh++) {                                                \
+                prefetch_slice(next, BS * row * (int64_t)sizeof(T), kh, KVH);                 \
                 for (int g0 = 0; g0 < group; g0 += 2)                                         \
                     for (int d0 = 0; d0 < D; d0 += 32)                                        \
                         NAME##_pv(vblock, row, t0, t1, kh * D + d0, scores + (kh * group + g0) * len, \
                                   len, group - g0 < 2 ? 1 : 2, (D - d0) / 8 < 4 ? (D - d0) / 8 : 4, \
                                   ob + (kh * group + g0) * D + d0, D);                        \
+            }                                                                                 \
         }                                                                                     \
     }                                                                                         \
 }
