@@ -186,7 +186,7 @@ def decode_floor(cfg: ModelConfig, itemsize: int, shapes: list[DecodeStepShape],
     context_mean = sum(s.context_tokens for s in shapes) / n
     kv = context_mean * kv_bytes_per_token(cfg, itemsize)
     floor_ms = (weights + kv) / (bandwidth_gbps * 1e9) * 1e3
-    flops = decode_flops(cfg, batch_mean, context_mean)  # linear in both, so the mean shape's
+    flops = decode_flops(cfg, batch_mean, context_mean)  # linear in both: the steps' mean FLOPs
     compute_floor_ms = flops / (matmul_gflops * 1e9) * 1e3
     return FloorResult(
         bandwidth_gbps=bandwidth_gbps, decode_batch_mean=batch_mean,
