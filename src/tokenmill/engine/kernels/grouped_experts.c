@@ -113,10 +113,7 @@ static void NAME(const float *const *x, float *const *y, int nr, const T *packed
         for (int r0 = 0; r0 < nr; r0 += ROWS) {                                              \
             const int n = nr - r0 < ROWS ? nr - r0 : ROWS;                                   \
             PANEL_FN(x + r0, n, panel, K, acc);                                              \
-            if (width == PANEL) /* a constant size: inlined, not a call per row */              \
-                for (int r = 0; r < n; r++) memcpy(y[r0 + r] + j * PANEL, acc[r], sizeof(float) * PANEL); \
-            else                                                                             \
-                for (int r = 0; r < n; r++) memcpy(y[r0 + r] + j * PANEL, acc[r], sizeof(float) * width); \
+            for (int r = 0; r < n; r++) memcpy(y[r0 + r] + j * PANEL, acc[r], sizeof(float) * width); \
         }                                                                                    \
     }                                                                                        \
 }

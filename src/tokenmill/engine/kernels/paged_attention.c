@@ -18,10 +18,14 @@
 #include "parallel.h"
 #include "vector_math.h"
 
-/* Blocks of one sequence are scattered through the pool, so the hardware prefetcher
- * loses the stream at every block boundary: ask for the next block explicitly. */
-static inline void prefetch_block(const void *p, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 0);
+/* Blocks of one sequence are scattered through the pool, so the hardware prefetcher loses the
+ * stream at every block boundary: the kernels ask for the next block explicitly. This fetches
+ * slice `part` of `parts` of the `bytes` at p (NULL: nothing to fetch); a whole block is slice
+ * 0 of 1. */
+static inline void prefetch_slice(const void *p, int64_t bytes, int part, int parts) {
+    if (p == NULL) return;
+    for (int64_t off = part * bytes / parts; off < (part + 1) * bytes / parts; off += 64)
+        __builtin_prefetch((const char *)p + off, 0, 3);
 }
 
 /* One sequence: qf [H, D] (scaled, fp32), its block table, `scores` [H, len] scratch, out [H, D]. */
@@ -34,8 +38,8 @@ static void NAME(SEQ_ARGS(T)) {                                                 
     for (int64_t t = 0; t < len; t++) {                                                       \
         const T *krow = k + (table[t / BS] * BS + t % BS) * (int64_t)KVH * D;                 \
         if (t % BS == 0 && t + BS < len)                                                      \
-            prefetch_block(k + table[t / BS + 1] * BS * (int64_t)KVH * D,                     \
-                           BS * KVH * D * sizeof(T));                                         \
+            prefetch_slice(k + table[t / BS + 1] * BS * (int64_t)KVH * D,                     \
+                           BS * KVH * D * (int64_t)sizeof(T), 0, 1);                          \
         for (int kh = 0; kh < KVH; kh++) {                                                    \
             float kf[256];                                                                    \
             for (int d = 0; d < D; d++) kf[d] = LOAD(krow[kh * D + d]);                       \
@@ -58,8 +62,8 @@ static void NAME(SEQ_ARGS(T)) {                                                 
     for (int64_t t = 0; t < len; t++) {                                                       \
         const T *vrow = v + (table[t / BS] * BS + t % BS) * (int64_t)KVH * D;                 \
         if (t % BS == 0 && t + BS < len)                                                      \
-            prefetch_block(v + table[t / BS + 1] * BS * (int64_t)KVH * D,                     \
-                           BS * KVH * D * sizeof(T));                                         \
+            prefetch_slice(v + table[t / BS + 1] * BS * (int64_t)KVH * D,                     \
+                           BS * KVH * D * (int64_t)sizeof(T), 0, 1);                          \
         for (int kh = 0; kh < KVH; kh++) {                                                    \
             float vf[256];                                                                    \
             for (int d = 0; d < D; d++) vf[d] = LOAD(vrow[kh * D + d]);                       \
@@ -87,19 +91,12 @@ DEFINE_KERNEL(generic_f32, float, LOAD_F32)
 
 static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 
-/* Blocks are scattered: the next one is fetched explicitly while this one is read, a slice per
- * KV head (`prefetch_slice`) between the computations rather than in one burst at the block's
- * start. A burst fills the load queue that the block being computed needs, so reading and
- * computing did not overlap; spread out, a decode step's attention took ~25% less time on one
- * thread and on two (two blocks ahead, or non-temporal hints, measured no better). */
+/* The next block is fetched a slice per KV head, between the computations, rather than in one
+ * burst at the block's start: a burst fills the load queue that the block being computed needs,
+ * so reading and computing did not overlap. Spread out, a decode step's attention took ~25%
+ * less time on one thread and on two (two blocks ahead, or non-temporal hints, measured no
+ * better). */
 #define AHEAD 1
-
-/* Slice `part` of `parts` of the `bytes` at p (NULL: nothing to fetch). */
-static inline void prefetch_slice(const char *p, int64_t bytes, int part, int parts) {
-    if (p == NULL) return;
-    for (int64_t off = part * bytes / parts; off < (part + 1) * bytes / parts; off += 64)
-        __builtin_prefetch(p + off, 0, 3);
-}
 
 
 /* lane i = the sum of a[i]'s eight lanes */
