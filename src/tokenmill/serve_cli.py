@@ -14,6 +14,7 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
+from tokenmill.engines import VLLM
 from tokenmill.frontend.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from tokenmill.frontend.control_socket import CONTROL_SOCKET_ENV
 from tokenmill.frontend.launch import (add_frontend_flags, api_keys, disagg_config, event_plane, frontend_argv,
@@ -24,13 +25,16 @@ from tokenmill.transfer.memory import remove_shared_files_of
 
 log = logging.getLogger(__name__)
 
-CONTROL_SOCKET = "control.sock"  # in the run directory: the other API servers' way to the workers
+CONTROL_SOCKET = "control.sock"
+CHECK_TIMEOUT_S = 120  # vLLM's engine options are checked by its venv's interpreter (imports vLLM: seconds)  # in the run directory: the other API servers' way to the workers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tokenmill.engine.cli_args import add_engine_arguments
+    from tokenmill.engines.options import add_engine_selection
 
     add_engine_arguments(parser)
+    add_engine_selection(parser, with_python=True)
     parser.add_argument("--workers", type=int, default=1, help="aggregated worker processes")
     parser.add_argument("--prefill", type=int, default=0,
                         help="disaggregated: prefill worker processes (with --decode; replaces --workers)")
@@ -56,9 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.cli_args import engine_argv, engine_config_from_args
+    from tokenmill.engines.options import check_engine_selection, default_block_size
     from tokenmill.worker.mock_profile import resolve_mock_profile
 
+    args.block_size = args.block_size or default_block_size(args.engine)
     try:
+        check_engine_selection(args)
         # flag errors here, once, not in N workers; the profile is resolved as each worker will
         config, clock = resolve_mock_profile(engine_config_from_args(args), args.mock_profile)
         if clock is not None and not args.usd_per_worker_hour:
@@ -71,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             from tokenmill.planner.in_process import check_flags
 
             check_flags(args)
+        args.worker_python = _worker_python(args)  # last: it asks vLLM's venv (seconds)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -138,6 +146,27 @@ def profile_worker_hour(gpus: int, speedup: float) -> float:
     return gpus * DEFAULT_USD_PER_GPU_HOUR * speedup
 
 
+def _worker_python(args: argparse.Namespace) -> str:
+    """This interpreter for own-engine workers; for vLLM workers, the engine venv's, once it has
+    accepted the engine options (so a bad one exits 2 here, naming it, not in every worker)."""
+    if args.engine != VLLM:
+        return sys.executable
+    import subprocess
+
+    from tokenmill.engine.cli_args import engine_argv
+    from tokenmill.engines.options import engine_flags_argv, engine_python, engine_selection_argv
+
+    python = engine_python(args)
+    check = [python, "-m", "tokenmill.cli", "--log-level", "WARNING", "worker", *engine_argv(args),
+             *engine_selection_argv(args), "--check-only", *engine_flags_argv(args)]
+    result = subprocess.run(check, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        raise ValueError(lines[-1].removeprefix("error: ") if lines else
+                         f"--engine vllm: {python} could not check the engine options:\n{result.stderr[-2000:]}")
+    return python
+
+
 def _check_topology(args: argparse.Namespace) -> None:
     if args.api_servers < 1:
         raise ValueError("--api-servers must be at least 1")
@@ -146,6 +175,9 @@ def _check_topology(args: argparse.Namespace) -> None:
     if args.api_servers > 1 and args.port == 0:
         raise ValueError("--api-servers > 1 needs a fixed --port: the servers share it")
     if args.prefill or args.decode:
+        if args.engine == VLLM:
+            raise ValueError("--prefill/--decode: vLLM workers serve aggregated (--workers N); disaggregated "
+                             "vLLM pools need tokenmill's KV connector for vLLM")
         if args.tp > 1 or args.ep > 1 or args.attention_dp > 1:
             flag = "--tp" if args.tp > 1 else "--ep" if args.ep > 1 else "--attention-dp"
             raise ValueError(f"{flag}: disaggregated serving moves KV from one "
@@ -167,7 +199,10 @@ def _workers(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _worker_argv(args: argparse.Namespace, name: str, role: str, run_dir: Path, engine_args: list[str]) -> list[str]:
-    argv = [sys.executable, "-m", "tokenmill.cli", "--log-level", args.log_level, "worker", *engine_args,
+    from tokenmill.engines.options import engine_flags_argv, engine_selection_argv
+
+    argv = [args.worker_python, "-m", "tokenmill.cli", "--log-level", args.log_level, "worker", *engine_args,
+            *engine_selection_argv(args),
             "--worker-id", name, "--address", f"ipc://{run_dir}/{name}.sock",
             "--discovery", f"file:{run_dir / 'registry'}", "--parent-pid", str(os.getpid()),
             "--served-model-name", model_name(args)]
@@ -181,7 +216,7 @@ def _worker_argv(args: argparse.Namespace, name: str, role: str, run_dir: Path, 
         argv += ["--role", role, "--kv-transfer-backends", args.kv_transfer_backends]
     if role == "decode" and args.transfer_faults:
         argv += ["--transfer-faults", args.transfer_faults]
-    return argv
+    return argv + engine_flags_argv(args)  # last: everything after its -- is vLLM's
 
 
 def _api_server_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:

@@ -13,10 +13,10 @@ from tokenmill.bench.serve_process import start_serve, stop
 __all__ = ["Server", "start_server", "stop_server"]
 
 
-def start_server(model: Path, run_dir: Path, *flags: str, workers: int = 1) -> Server:
+def start_server(model: Path, run_dir: Path, *flags: str, workers: int = 1, start_timeout_s: float = 90) -> Server:
     """Serve `model` as "tiny"; healthy with every worker registered, or RuntimeError."""
     return start_serve(["--model", str(model), "--served-model-name", "tiny", *flags], workers, run_dir,
-                       run_dir / "serve.log", start_timeout_s=90)
+                       run_dir / "serve.log", start_timeout_s=start_timeout_s)
 
 
 def stop_server(server: Server) -> None:

@@ -49,6 +49,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "serving hot path: wrk against tokenmill serve with instant mock workers: req/s, latency, CPU/1k req, RSS"),
     ("router-warmup", "tokenmill.bench.router_warmup_bench",
      "a fresh frontend over mock workers holding 1M cached blocks: seconds to a warm index and KV-aware routing"),
+    ("engines", "tokenmill.bench.engines_bench",
+     "serving engines on one load, sides alternating: tokenmill+vLLM vs vLLM alone, kv vs rr, own engine vs vLLM"),
 )
 
 

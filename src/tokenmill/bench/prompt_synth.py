@@ -91,6 +91,23 @@ def synthetic_requests(num_requests: int, shape: SyntheticShape, space: TokenSpa
     return specs
 
 
+def corpus_requests(corpus: Sequence[int], num_requests: int, shape: SyntheticShape, seed: int) -> list[RequestSpec]:
+    """Seeded slices of a tokenized text (real prose, so attention sees what it would in service),
+    each from its own start token: no two prompts share a first block, so none hits the prefix
+    cache. `shape.prefix_len` is not used. ValueError naming --max-input when the text is too short."""
+    room = len(corpus) - shape.max_input
+    if room < num_requests:
+        raise ValueError(f"--max-input {shape.max_input}: the corpus ({len(corpus)} tokens) has no room "
+                         f"for {num_requests} distinct prompts that long")
+    rng = random.Random(seed)
+    specs = []
+    for start in rng.sample(range(room), num_requests):
+        input_len = rng.randint(shape.min_input, shape.max_input)
+        output_len = rng.randint(shape.min_output, shape.max_output)
+        specs.append(RequestSpec(list(corpus[start:start + input_len]), output_len))
+    return specs
+
+
 def poisson_arrivals(specs: Sequence[RequestSpec], rate_per_s: float, seed: int) -> None:
     """Give each request an arrival offset: a Poisson process of `rate_per_s`, first at t=0."""
     if rate_per_s <= 0:

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from tokenmill.procs import process_alive
+from tokenmill.runtime.supervisor import kill_leftovers
 from tokenmill.transfer.memory import remove_shared_files_of
 
 log = logging.getLogger(__name__)
@@ -69,15 +70,29 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _wait_healthy(server: ServeProcess, timeout_s: float) -> None:
+def wait_ready(process: subprocess.Popen, ready: Callable[[], bool], what: str, timeout_s: float) -> None:
+    """Poll `ready` until it holds; RuntimeError if `process` exits first or the time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"tokenmill serve exited with {server.process.returncode} before it was healthy")
-        if server.healthy():
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode} before it was healthy")
+        if ready():
             return
         time.sleep(0.2)
-    raise RuntimeError(f"tokenmill serve was not healthy within {timeout_s:.0f} s")
+    raise RuntimeError(f"{what} was not healthy within {timeout_s:.0f} s")
+
+
+def log_tail(log_path: Path, chars: int = 2000) -> str:
+    return log_path.read_text(encoding="utf-8", errors="replace")[-chars:]
+
+
+def launch(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """`argv` in its own process group (so `stop` reaches every child), output appended to `log_path`;
+    `env` entries are added to this process's environment."""
+    log.debug("starting %s", " ".join(argv))
+    with open(log_path, "ab") as server_log:
+        return subprocess.Popen(list(argv), stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=None if env is None else {**os.environ, **env})
 
 
 def stop(server: ServeProcess) -> None:
@@ -100,37 +115,35 @@ def stop(server: ServeProcess) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass  # already gone
+        kill_leftovers(pid)  # an outside engine's processes in the worker's group (vLLM's engine core)
         remove_shared_files_of(pid)  # what a killed worker could not unlink (its KV pool)
 
 
 def start_serve(serve_flags: Sequence[str], num_workers: int, run_dir: Path, log_path: Path,
-                start_timeout_s: float = 120.0) -> ServeProcess:
+                start_timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> ServeProcess:
     """`tokenmill serve --workers N --host 127.0.0.1 --port P --run-dir DIR *serve_flags`, healthy;
     the caller must `stop` it. With `--prefill P --decode D` among the flags, `num_workers` must be
-    P + D (what registers) and `--workers` is not passed."""
+    P + D (what registers) and `--workers` is not passed. `env` adds to its environment (an outside
+    engine's settings)."""
     port = free_port()
     topology = [] if "--prefill" in serve_flags else ["--workers", str(num_workers)]
     argv = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", *serve_flags,
             *topology, "--host", HOST, "--port", str(port), "--run-dir", str(run_dir)]
-    log.debug("starting %s", " ".join(argv))
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as server_log:
-        process = subprocess.Popen(argv, stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = ServeProcess(f"http://{HOST}:{port}", run_dir, process, num_workers)
+    server = ServeProcess(f"http://{HOST}:{port}", run_dir, launch(argv, log_path, env), num_workers)
     try:
-        _wait_healthy(server, start_timeout_s)
+        wait_ready(server.process, server.healthy, "tokenmill serve", start_timeout_s)
     except RuntimeError as exc:
         stop(server)
-        tail = log_path.read_text(encoding="utf-8", errors="replace")[-2000:]
-        raise RuntimeError(f"{exc}; its log ends:\n{tail}") from exc
+        raise RuntimeError(f"{exc}; its log ends:\n{log_tail(log_path)}") from exc
     return server
 
 
 @contextmanager
 def running_server(serve_flags: Sequence[str], num_workers: int, run_dir: Path, log_path: Path,
-                   start_timeout_s: float = 120.0) -> Iterator[ServeProcess]:
+                   start_timeout_s: float = 120.0, env: Mapping[str, str] | None = None) -> Iterator[ServeProcess]:
     """`start_serve`, stopped on exit."""
-    server = start_serve(serve_flags, num_workers, run_dir, log_path, start_timeout_s)
+    server = start_serve(serve_flags, num_workers, run_dir, log_path, start_timeout_s, env)
     try:
         yield server
     finally:

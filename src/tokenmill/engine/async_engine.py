@@ -28,6 +28,8 @@ from typing import Any
 from tokenmill.engine.kv_handoff import ImportPlan
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine
 from tokenmill.engine.mock_runner import MockRunner
+from tokenmill.engines.adapter import EngineInfo
+from tokenmill.kv.events import KVEventEmitter
 from tokenmill.textgen.outputs import FINISH_ERROR, RequestOutput
 from tokenmill.textgen.sampling import SamplingParams
 
@@ -50,6 +52,8 @@ class KVImport:
 
 
 class AsyncLLMEngine:
+    """tokenmill's own engine as a worker's `engines.adapter.EngineAdapter`."""
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -69,6 +73,24 @@ class AsyncLLMEngine:
             return
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+
+    @property
+    def info(self) -> EngineInfo:
+        config = self.engine.config
+        return EngineInfo("tokenmill", self.engine.max_model_len, config.block_size, config.hash_seed,
+                          config.max_num_seqs)
+
+    @property
+    def events(self) -> KVEventEmitter:
+        return self.engine.events
+
+    def idle_stats(self) -> EngineStats:
+        return self.engine.stats()  # before serving the engine thread is idle: safe to read here
+
+    async def kv_snapshot(self) -> tuple[int, dict[str, list[int]]]:
+        """Taken on the engine thread, so the blocks and the event id agree."""
+        return await self._call(lambda: (self.engine.events.last_event_id,
+                                         {"device": self.engine.cached_hashes()}))
 
     def is_running(self) -> bool:
         """True while the engine's stepping (thread or task) is alive (a dead one cannot serve)."""

@@ -10,6 +10,8 @@ import math
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.mock_runner import StepTimeModel
+from tokenmill.engines.options import VLLM_BLOCK_SIZE
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +21,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     g.add_argument("--kv-cache-blocks", type=int, default=None, help="device KV pool size in blocks")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="device KV pool size in GiB")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE}; {VLLM_BLOCK_SIZE} with --engine vllm, "
+                        "which vLLM's CPU attention needs); the frontend's must be the same")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -62,7 +66,7 @@ def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0
     (`worker.mock_profile.resolve_mock_profile`)."""
     _check_mock_flags(args)
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, threads=args.threads, block_size=args.block_size,
+        model=args.model, dtype=args.dtype, threads=args.threads, block_size=args.block_size or DEFAULT_BLOCK_SIZE,
         num_kv_blocks=args.kv_cache_blocks, kv_cache_gb=args.kv_cache_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, runner=args.runner,
@@ -110,7 +114,7 @@ def parse_step_time(text: str | None) -> StepTimeModel:
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The same knobs as flags again, to pass through to worker processes."""
-    argv = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
+    argv = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size or DEFAULT_BLOCK_SIZE),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--runner", args.runner, "--seed", str(args.seed), "--tp", str(args.tp), "--ep", str(args.ep),
             "--attention-dp", str(args.attention_dp)]

@@ -88,6 +88,23 @@ def _tiny_llama() -> Preset:
     return Preset("tiny-llama", cfg, "float32", 2048, "Llama with attention biases, untied")
 
 
+def _small_llama() -> Preset:
+    """Llama whose head size (64) and block-size needs fit vLLM's CPU attention (it has no kernel for
+    the tiny presets' 16): the model of the tests that run tokenmill over vLLM workers."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 64,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": False,
+        **_common(2048, 4096, 10000.0),
+    }
+    return Preset("small-llama", cfg, "float32", 2048, "Llama, head size 64 (runs on vLLM's CPU attention too)")
+
+
 def _qwen3_moe(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
                experts: int, moe_inter: int, vocab: int, max_pos: int, theta: float) -> dict[str, Any]:
     return {
@@ -126,7 +143,8 @@ def _small_moe() -> Preset:
     return Preset("small-moe", cfg, "bfloat16", 8192, "Qwen3-MoE ~115 M params, for benchmarks")
 
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (_tiny_dense(), _tiny_llama(), _tiny_moe(), _small_moe())}
+PRESETS: dict[str, Preset] = {p.name: p for p in (_tiny_dense(), _tiny_llama(), _small_llama(), _tiny_moe(),
+                                                   _small_moe())}
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import IO
 
-from tokenmill.runtime.supervisor import ChildSpec, Supervisor, _Child
+from tokenmill.runtime.supervisor import ChildSpec, Supervisor, _Child, kill_leftovers
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class WorkerSupervisor(Supervisor):
 
     def _handle_exit(self, child: _Child, code: int) -> None:
         name = child.spec.name
+        kill_leftovers(child.process.pid)
         reader = self._readers.get(name)
         if reader is not None:
             reader.join(TAIL_JOIN_S)

@@ -58,6 +58,7 @@ class Supervisor:
 
     def _handle_exit(self, child: _Child, code: int) -> None:
         name = child.spec.name
+        kill_leftovers(child.process.pid)
         log.error("%s exited with code %s", name, code)
         if self.on_exit is not None:
             self.on_exit(name)
@@ -83,8 +84,19 @@ class Supervisor:
                 log.warning("%s did not stop in time; killing it", child.spec.name)
                 child.process.kill()
                 child.process.wait()
+            kill_leftovers(child.process.pid)
 
     @staticmethod
     def _spawn(spec: ChildSpec) -> subprocess.Popen:
         log.info("starting %s", spec.name)
         return subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, start_new_session=True)
+
+
+def kill_leftovers(pid: int) -> None:
+    """What an exited child started and left behind (an outside engine's processes, such as vLLM's
+    engine core, outlive a killed parent): the rest of its session's process group, led by its pid
+    (a pid is not reused while a group of that id has members)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left of it

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engines.adapter import EngineAdapter
 from tokenmill.kv.events import KVEvent, event_to_wire
 from tokenmill.runtime import protocol as p
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class KVEventPublisher:
-    def __init__(self, engine: AsyncLLMEngine, worker_id: str, address: str | None = None,
+    def __init__(self, engine: EngineAdapter, worker_id: str, address: str | None = None,
                  plane: NatsEventPlane | None = None, subject: str | None = None) -> None:
         """Exactly one of `address` (ZeroMQ PUB, bound here) and `plane` + `subject` (NATS)."""
         if (address is None) == (plane is None or subject is None):
@@ -45,7 +45,7 @@ class KVEventPublisher:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self.engine.engine.events.subscribe(self._on_event)
+        self.engine.events.subscribe(self._on_event)
 
     def close(self) -> None:
         if self.socket is not None:
@@ -76,11 +76,8 @@ class KVEventPublisher:
 
     async def snapshot(self) -> dict[str, Any]:
         """Every hash the worker holds, per tier, with the id of the last event it reflects."""
-        def take(engine) -> dict[str, Any]:
-            return {"type": p.KV_SNAPSHOT, "worker": self.worker_id,
-                    "last_event_id": engine.events.last_event_id,
-                    "tiers": {"device": engine.cached_hashes()}}
-        return await self.engine.call(take)
+        last_event_id, tiers = await self.engine.kv_snapshot()
+        return {"type": p.KV_SNAPSHOT, "worker": self.worker_id, "last_event_id": last_event_id, "tiers": tiers}
 
 
 def _bind(socket: zmq.Socket, address: str) -> str:

@@ -9,6 +9,7 @@ import signal
 import sys
 from collections.abc import Callable
 
+from tokenmill.engines import VLLM
 from tokenmill.runtime import event_loop
 
 log = logging.getLogger(__name__)
@@ -16,8 +17,10 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tokenmill.engine.cli_args import add_engine_arguments
+    from tokenmill.engines.options import add_engine_selection
 
     add_engine_arguments(parser)
+    add_engine_selection(parser)
     parser.add_argument("--worker-id", default="worker-0")
     parser.add_argument("--address", default="tcp://127.0.0.1:0",
                         help="where to listen: ipc:///path or tcp://host:port (port 0 picks one)")
@@ -58,28 +61,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="inject KV-pull faults for drills: corrupt,drop,delay=SECONDS")
     parser.add_argument("--drain-timeout-s", type=float, default=10.0,
                         help="on SIGTERM: how long prefill requests and held KV may finish")
+    parser.add_argument("--check-only", action="store_true",
+                        help="check the flags (and the engine's options) and exit: 0 if accepted, 2 if not")
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenmill.engine.async_engine import AsyncLLMEngine
-    from tokenmill.engine.cli_args import engine_config_from_args
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engines.adapter import EngineStartError
+    from tokenmill.engines.options import check_engine_selection, default_block_size
     from tokenmill.runtime.discovery import discovery_from_url
-    from tokenmill.worker.mock_profile import resolve_mock_profile, transfer_delay
     from tokenmill.worker.server import WorkerServer
     from tokenmill.worker.settings import WorkerSettings
 
     name = args.served_model_name or args.model
+    args.block_size = args.block_size or default_block_size(args.engine)
     try:
-        config, clock = resolve_mock_profile(engine_config_from_args(args, args.worker_id), args.mock_profile)
-        config = dataclasses.replace(config, exit_on_rank_loss=True)
-        discovery = discovery_from_url(args.discovery, args.discovery_ttl_s)
+        check_engine_selection(args)
         settings = WorkerSettings(args.worker_id, args.address, name, role=args.role, max_queue=args.max_queue,
                                   parent_pid=args.parent_pid, events_address=args.events_address,
                                   drain_timeout_s=args.drain_timeout_s, advertise_host=args.advertise_host)
+        if args.check_only:
+            return _check_only(args)
+        engine, transfer = _vllm_engine(args) if args.engine == VLLM else _own_engine(args)
+        discovery = discovery_from_url(args.discovery, args.discovery_ttl_s)
         event_plane = _event_plane(args)
-        transfer = _transfer_service(args, transfer_delay(clock, config.mock_speedup))
-        engine = AsyncLLMEngine(LLMEngine(config, kv_allocator=transfer.allocate if transfer else None))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -98,10 +102,48 @@ def run(args: argparse.Namespace) -> int:
     log.info("worker %s serving %s on %s", args.worker_id, name, address)
     try:
         event_loop.run(_serve(server))
+    except EngineStartError as exc:  # not registered, so never counted as up; the supervisor retries
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         if health is not None:
             health.close()
     return 0
+
+
+def _check_only(args: argparse.Namespace) -> int:
+    """--check-only: the engine's options as it would take them, nothing started."""
+    if args.engine == VLLM:
+        _vllm_engine(args)[0].discard()
+    print(f"ok: the {args.engine} engine's options are accepted")
+    return 0
+
+
+def _own_engine(args: argparse.Namespace):
+    """tokenmill's engine, and its KV transfer agent where the role moves KV."""
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.engine.cli_args import engine_config_from_args
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.worker.mock_profile import resolve_mock_profile, transfer_delay
+
+    config, clock = resolve_mock_profile(engine_config_from_args(args, args.worker_id), args.mock_profile)
+    config = dataclasses.replace(config, exit_on_rank_loss=True)
+    transfer = _transfer_service(args, transfer_delay(clock, config.mock_speedup))
+    return AsyncLLMEngine(LLMEngine(config, kv_allocator=transfer.allocate if transfer else None)), transfer
+
+
+def _vllm_engine(args: argparse.Namespace):
+    if args.role != "agg":
+        raise ValueError(f"--role {args.role}: a vLLM worker serves aggregated (agg) only; disaggregated vLLM "
+                         "pools need tokenmill's KV connector for vLLM")
+    try:
+        from tokenmill.engines.vllm.adapter import VLLMEngine
+    except ImportError as exc:
+        from tokenmill.engines.options import INSTALL_HINT
+
+        raise ValueError(f"--engine vllm: vLLM is not importable by {sys.executable} ({exc}); install its venv "
+                         f"with {INSTALL_HINT}") from exc
+    return VLLMEngine.from_args(args, args.worker_id), None
 
 
 def _event_plane(args: argparse.Namespace):

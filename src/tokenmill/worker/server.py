@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from tokenmill.engine.async_engine import AsyncLLMEngine, KVImport
+from tokenmill.engine.async_engine import KVImport
 from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engines.adapter import EngineAdapter
 from tokenmill.runtime import protocol as p
 from tokenmill.runtime.discovery import Discovery, WorkerInfo
 from tokenmill.runtime.zmq_reader import SocketReader
@@ -52,7 +53,7 @@ DRAIN_POLL_S = 0.05
 DRAIN_FLUSH_S = 0.25
 STATS_WAIT_S = 0.1  # how long a heartbeat waits for the engine thread's fresh stats
 class WorkerServer:
-    def __init__(self, engine: AsyncLLMEngine, settings: WorkerSettings, discovery: Discovery,
+    def __init__(self, engine: EngineAdapter, settings: WorkerSettings, discovery: Discovery,
                  transfer: KVTransferService | None = None, event_plane: NatsEventPlane | None = None) -> None:
         self.engine = engine
         self.transfer = transfer
@@ -170,18 +171,17 @@ class WorkerServer:
         log.warning("stopping with %d prefill requests and KV still held", len(self.prefill_only))
 
     def _info(self) -> WorkerInfo:
-        engine = self.engine.engine
+        info = self.engine.info
         return WorkerInfo(
             worker_id=self.settings.worker_id, address=self.settings.address, role=self.settings.role,
             model=self.settings.model_name, pid=os.getpid(), host=os.uname().nodename,
             incarnation=uuid.uuid4().hex,
-            metadata={"max_model_len": engine.max_model_len, "block_size": engine.config.block_size,
-                      "hash_seed": engine.config.hash_seed,
+            metadata={"max_model_len": info.max_model_len, "block_size": info.block_size,
+                      "hash_seed": info.hash_seed, "engine": info.name,
                       "events_address": (advertised(self.publisher.address, self.settings.advertise_host)
                                          if self.publisher and self.publisher.address else None),
                       "events_subject": self.publisher.subject if self.publisher else None,
-                      # before serving, the engine thread is idle, so reading its state here is safe
-                      **self._load(engine.stats())},
+                      **self._load(self.engine.idle_stats())},
         )
 
     def _load(self, stats: EngineStats) -> dict[str, float]:
@@ -270,7 +270,7 @@ class WorkerServer:
             return
         limit = self.settings.max_queue
         # Counted here, not from engine stats, which lag behind requests still being handed over.
-        if limit is not None and len(self.tasks) >= self.engine.engine.config.max_num_seqs + limit:
+        if limit is not None and len(self.tasks) >= self.engine.info.max_num_seqs + limit:
             self._send(peer, p.error_message(request_id, p.OVERLOADED, "worker queue is full"))
             return
         task = self.tasks[request_id] = asyncio.create_task(self._generate(peer, request_id, msg))
@@ -355,7 +355,7 @@ class WorkerServer:
         """Beat every HEARTBEAT_INTERVAL_S whatever the engine is doing: its stats are read
         between steps, so during a long prefill step the beat carries the last known load
         (waiting for fresh stats would make a busy worker look dead)."""
-        last = self.engine.engine.stats()  # the engine thread is idle before serving
+        last = self.engine.idle_stats()
         load = self._load(last)
         stats: asyncio.Future[EngineStats] | None = None
         while True:

@@ -1,0 +1,66 @@
+"""vLLM workers under a real `tokenmill serve`, and vLLM alone as the reference.
+
+vLLM runs from its own venv (`make install-vllm`, which `make test` runs): these tests fail, never
+skip, where it is missing. The model is `small-llama` (random weights, head size 64: the smallest
+shape vLLM's CPU attention runs), in blocks of 32 tokens (what that attention needs).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.serving.conftest import Server, start_server, stop_server
+from tokenmill.engine.make_model import write_model
+from tokenmill.engines.options import VLLM_VENV
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / VLLM_VENV / "bin" / "python"
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 1024
+KV_BLOCKS = 48  # per worker: five 600-token prompts overflow it (the removal test)
+ENGINE_FLAGS = ("--engine", "vllm", "--engine-python", str(VLLM_PYTHON), "--engine-arg", "enforce_eager=true",
+                "--max-model-len", str(MAX_MODEL_LEN))
+VLLM_START_S = 300  # a cold vLLM start on 2 busy cores (its first one also fills caches)
+
+
+@dataclass(slots=True)
+class Deployment:
+    server: Server
+    model: Path
+
+
+@pytest.fixture(scope="session")
+def small_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model("small-llama", tmp_path_factory.mktemp("models") / "small-llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def vllm_deployment(small_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """Two vLLM workers behind one frontend, KV-routed."""
+    assert VLLM_PYTHON.is_file(), f"no {VLLM_PYTHON}: run `make install-vllm`"
+    run_dir = tmp_path_factory.mktemp("vllm-run")
+    server = start_serving(small_llama, run_dir, "--router", "kv", "--kv-cache-blocks", str(KV_BLOCKS), workers=2)
+    try:
+        yield Deployment(server, small_llama)
+    finally:
+        stop_server(server)
+
+
+def start_serving(model: Path, run_dir: Path, *flags: str, workers: int) -> Server:
+    server = start_server(model, run_dir, *ENGINE_FLAGS, *flags, workers=workers, start_timeout_s=VLLM_START_S)
+    return server
+
+
+def vllm_alone(model: Path, prompts: list[list[int]], max_tokens: int, out: Path) -> list[list[int]]:
+    """vLLM's own greedy token ids for `prompts` (ignore_eos), in a process of vLLM's venv."""
+    job = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "block_size": BLOCK_SIZE,
+           "max_model_len": MAX_MODEL_LEN}
+    result = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_alone.py")), str(out)],
+                            input=json.dumps(job), capture_output=True, text=True, timeout=VLLM_START_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text(encoding="utf-8"))["outputs"]

@@ -1,0 +1,239 @@
+"""Two vLLM workers behind `tokenmill serve --router kv`: the same greedy text as vLLM alone, the
+router's index equal to what vLLM caches (and losing what it evicts), KV routing to the holder,
+cancel freeing vLLM's blocks, grammars, and a killed worker's stream finished on the other one.
+The kill runs last: it takes a worker down for the rest of the module."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.engines_vllm.conftest import BLOCK_SIZE, VLLM_START_S, Deployment, vllm_alone
+from tests.serving.probes import busy_worker_pid, metric, stream_with_a_kill, wait
+from tests.serving.test_dashboard import _points
+from tests.serving.test_runtime_scaling import state_is, wait_for
+from tokenmill.kv.hashing import block_hashes
+from tokenmill.planner.decision import Action, Decision
+from tokenmill.planner.live import LiveDeployment
+from tokenmill.procs import process_alive
+from tokenmill.textgen.detokenizer import IncrementalDetokenizer
+from tokenmill.textgen.tokenizer import Tokenizer
+
+MAX_TOKENS = 24
+KILL_TOKENS = 120
+MESSAGES = [{"role": "user", "content": "Tell me about Elizabeth and Mr Darcy."}]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "count"],
+          "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]},
+                         "count": {"type": "integer", "minimum": 0, "maximum": 99}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"enum": ["Paris", "Lyon"]}}}}}]
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """Token ids no other prompt of this module starts with (the first id says which prompt)."""
+    return [100 + seed] + [(seed * 7919 + i * 104729) % 1800 + 200 for i in range(length - 1)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vllm_deployment: Deployment) -> Tokenizer:
+    return Tokenizer(vllm_deployment.model)
+
+
+@pytest.fixture(scope="module")
+def client(vllm_deployment: Deployment) -> openai.OpenAI:
+    return openai.OpenAI(base_url=vllm_deployment.server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_deployment: Deployment, tokenizer: Tokenizer,
+              tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[int], list[int]]]:
+    """name -> (prompt ids, vLLM alone's greedy ids)."""
+    prompts = {"short": prompt(1, 40), "long": prompt(2, 300), "chat": tokenizer.apply_chat_template(MESSAGES),
+               "kill": prompt(3, 60), "index": prompt(10, 200)}
+    outputs = vllm_alone(vllm_deployment.model, list(prompts.values()), KILL_TOKENS,
+                         tmp_path_factory.mktemp("vllm-alone") / "outputs.json")
+    return {name: (ids, out) for (name, ids), out in zip(prompts.items(), outputs)}
+
+
+def text_of(tokenizer: Tokenizer, prompt_ids: list[int], output_ids: list[int]) -> str:
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    return detok.add(output_ids) + detok.flush()
+
+
+def index(deployment: Deployment) -> dict[str, set[int]]:
+    """worker -> the device-tier hashes the decode pool's KV index holds for it."""
+    body = httpx.get(f"{deployment.server.url}/admin/router/index?hashes=true", timeout=10, trust_env=False).json()
+    return {worker: set(view["tiers"].get("device", {}).get("hashes", []))
+            for worker, view in body["decode"]["workers"].items()}
+
+
+def cached_tokens(client: openai.OpenAI, ids: list[int]) -> int:
+    result = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0)
+    return result.usage.prompt_tokens_details.cached_tokens
+
+
+def test_greedy_text_equals_vllm_alone_streamed_or_not(client: openai.OpenAI, tokenizer: Tokenizer,
+                                                       reference: dict[str, Any]) -> None:
+    for name in ("short", "long"):
+        ids, out = reference[name]
+        expected = text_of(tokenizer, ids, out[:MAX_TOKENS])
+        whole = client.completions.create(model="tiny", prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert whole.choices[0].text == expected, name
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), MAX_TOKENS)
+        chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected, name
+        assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+    ids, out = reference["chat"]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == text_of(tokenizer, ids, out[:MAX_TOKENS])
+    assert chat.usage.prompt_tokens == len(ids)
+
+
+def test_the_index_holds_what_vllm_caches_and_loses_what_it_evicts(vllm_deployment: Deployment,
+                                                                  client: openai.OpenAI,
+                                                                  reference: dict[str, Any]) -> None:
+    ids, out = reference["index"]
+    before = index(vllm_deployment)
+    client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    # vLLM caches every full block of what it computed: the prompt and all outputs but the last
+    expected = set(block_hashes(ids + out[:7], BLOCK_SIZE))
+    wait(lambda: any(expected <= held for held in index(vllm_deployment).values()), "the stored events")
+    after = index(vllm_deployment)
+    [holder] = [w for w, held in after.items() if expected <= held]
+    assert after[holder] - before.get(holder, set()) == expected  # nothing else, nothing hashed otherwise
+    assert cached_tokens(client, ids) == (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    # prompts that share its first two blocks go to its holder (KV routing), and each of their 17 new
+    # blocks pushes the least recently used out of its 48: the first prompt's other blocks
+    shared = ids[:2 * BLOCK_SIZE]
+    for seed in range(20, 24):
+        client.completions.create(model="tiny", prompt=shared + prompt(seed, 540), max_tokens=1, temperature=0)
+    wait(lambda: not expected <= index(vllm_deployment)[holder], "the removal events", 20)
+    assert set(block_hashes(shared, BLOCK_SIZE)) <= index(vllm_deployment)[holder]  # those stayed in use
+
+
+def test_kv_routing_sends_a_repeated_prompt_to_its_holder_and_round_robin_does_not(
+        vllm_deployment: Deployment, client: openai.OpenAI) -> None:
+    url = vllm_deployment.server.url
+    long_prompt = prompt(30, 700)
+    assert cached_tokens(client, long_prompt) == 0
+    assert all(cached_tokens(client, long_prompt) >= 672 for _ in range(3))  # 21 of its 22 blocks
+    switched = httpx.post(f"{url}/admin/settings", json={"kv_routing": False}, timeout=10, trust_env=False)
+    assert switched.status_code == 200, switched.text
+    try:
+        other = prompt(31, 700)
+        first, second = cached_tokens(client, other), cached_tokens(client, other)
+        assert (first, second) == (0, 0)  # round-robin: the repeat went to the other worker
+    finally:
+        httpx.post(f"{url}/admin/settings", json={"kv_routing": True}, timeout=10, trust_env=False)
+
+
+def test_cancel_mid_stream_frees_vllm_blocks(vllm_deployment: Deployment, client: openai.OpenAI) -> None:
+    url = vllm_deployment.server.url
+    wait(lambda: metric(url, "tokenmill_worker_kv_usage") == 0, "idle workers")
+    stream = client.completions.create(model="tiny", prompt=prompt(40, 100), max_tokens=800, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    wait(lambda: metric(url, "tokenmill_worker_kv_usage") > 0, "the stream's blocks in use", 10)
+    stream.close()
+    wait(lambda: metric(url, "tokenmill_worker_kv_usage") == 0 and metric(url, "tokenmill_worker_num_running") == 0,
+         "vLLM's blocks back to idle", 20)
+
+
+def test_json_schema_validates_and_a_forced_tool_call_parses(client: openai.OpenAI) -> None:
+    for seed in range(3):
+        result = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, seed=seed, temperature=1.0, max_tokens=64,
+            response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}})
+        assert result.choices[0].finish_reason == "stop", result.choices[0]
+        jsonschema.validate(json.loads(result.choices[0].message.content), SCHEMA)
+    call = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=1,
+                                          max_tokens=96,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [tool_call] = call.choices[0].message.tool_calls
+    assert tool_call.function.name == "get_weather"
+    jsonschema.validate(json.loads(tool_call.function.arguments), TOOLS[0]["function"]["parameters"])
+
+
+class ScriptedPlanner:
+    """Decides what the test says, one list of actions a tick: the planner's policy is tested
+    elsewhere; here, its local connector acting on vLLM workers."""
+
+    def __init__(self, script: list[list[Action]]) -> None:
+        self.script = script
+
+    def step(self, observation: Any) -> Decision:
+        return Decision(observation.at_s, "scripted", observation, {}, actions=self.script.pop(0))
+
+
+def test_the_planner_starts_and_drains_a_vllm_worker_and_the_dashboard_shows_it(
+        vllm_deployment: Deployment) -> None:
+    server = vllm_deployment.server
+    planner = ScriptedPlanner([[Action("agg", 1)], [Action("agg", -1)]])
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, trust_env=False) as client:
+            live = LiveDeployment(planner, client, interval_s=1.0, warmup_s=0.0)  # type: ignore[arg-type]
+            await live.tick()
+            [started] = live.outcomes[-1].detail["started"]
+            await asyncio.to_thread(wait_for, server, state_is(started["name"], "serving"), VLLM_START_S)
+            point = await asyncio.to_thread(_points, server, 2.0, time.time())
+            registered = server.registry()
+            await live.tick()
+            return started, point, registered, live.outcomes[-1].detail["drained"]
+
+    started, point, registered, drained = asyncio.run(scenario())
+    name = started["name"]
+    assert point["workers"]["agg"]["serving"] == 3, point["workers"]
+    assert {w["worker_id"]: w["metadata"]["engine"] for w in registered}[name] == "vllm"
+    assert [d["name"] for d in drained] == [name]  # the newest goes first
+    wait_for(server, lambda listed: name not in listed or listed[name]["state"] not in ("draining", "serving"), 60)
+    wait(lambda: not process_alive(started["pid"]), "the drained worker to exit", 30)
+    assert all(w["worker_id"] != name for w in server.registry())
+
+
+def test_a_killed_vllm_worker_stream_finishes_on_the_other_worker(vllm_deployment: Deployment, tokenizer: Tokenizer,
+                                                                  reference: dict[str, Any]) -> None:
+    ids, out = reference["kill"]
+    server = vllm_deployment.server
+
+    def kill() -> tuple[int, list[int]]:
+        pid = busy_worker_pid(server)
+        engine_core = _children(pid)
+        os.kill(pid, signal.SIGKILL)
+        return pid, engine_core
+
+    migrations = metric(server.url, "tokenmill_request_migrations_total")
+    text, (killed, engine_core) = stream_with_a_kill(server.url, ids, KILL_TOKENS, kill)
+    assert text == text_of(tokenizer, ids, out)
+    assert metric(server.url, "tokenmill_request_migrations_total") == migrations + 1
+    assert engine_core, "the killed worker ran no vLLM engine core process"
+    wait(lambda: not any(process_alive(pid) for pid in engine_core), "the dead worker's vLLM processes to exit", 30)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (vLLM's engine core and its executor's workers)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found + [grandchild for child in found for grandchild in _children(child)]
