@@ -25,8 +25,8 @@ from tokenmill.transfer.memory import remove_shared_files_of
 
 log = logging.getLogger(__name__)
 
-CONTROL_SOCKET = "control.sock"
-CHECK_TIMEOUT_S = 120  # vLLM's engine options are checked by its venv's interpreter (imports vLLM: seconds)  # in the run directory: the other API servers' way to the workers
+CONTROL_SOCKET = "control.sock"  # in the run directory: the other API servers' way to the workers
+CHECK_TIMEOUT_S = 120  # vLLM's engine options are checked by its venv's interpreter (imports vLLM: seconds)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

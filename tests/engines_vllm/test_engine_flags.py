@@ -41,14 +41,14 @@ def test_serve_refuses_bad_engine_flags_naming_them(small_llama: Path, flags: li
         assert len(lines) == 1, lines  # one line, not vLLM's log nor a usage page
 
 
-def test_a_missing_vllm_venv_says_how_to_install_it(small_llama: Path) -> None:
+def test_a_missing_vllm_venv_says_how_to_install_it(small_llama: Path, tmp_path: Path) -> None:
     result = tokenmill(sys.executable, "serve", "--model", str(small_llama), "--engine", "vllm",
                        "--engine-python", "/nonexistent/python")
     assert result.returncode == 2
     assert "make install-vllm" in result.stderr
     # a worker started by an interpreter without vLLM (tokenmill's own venv) says the same
     result = tokenmill(sys.executable, "worker", "--model", str(small_llama), "--engine", "vllm",
-                       "--discovery", "file:/nonexistent-registry")
+                       "--discovery", f"file:{tmp_path / 'registry'}")
     assert result.returncode == 2 and "make install-vllm" in result.stderr, result.stderr
 
 

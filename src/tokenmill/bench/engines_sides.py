@@ -128,11 +128,6 @@ def _own_engine(cfg: EnginesConfig) -> Side:
     return Side("own-engine", SERVE, sys.executable, flags)
 
 
-def _split_warmup(specs: list[RequestSpec], count: int) -> tuple[list[RequestSpec], list[RequestSpec]]:
-    """Drawn in one sample with the measured prompts, so no warm-up shares a start with one."""
-    return specs[count:], [RequestSpec(s.prompt[:WARMUP_SHAPE.max_input], WARMUP_TOKENS) for s in specs[:count]]
-
-
 def _describe_load(specs: Sequence[RequestSpec], concurrency: int, what: str) -> dict[str, Any]:
     prompts = [len(s.prompt) for s in specs]
     outputs = sorted({s.output_len for s in specs})
@@ -144,9 +139,12 @@ def _describe_load(specs: Sequence[RequestSpec], concurrency: int, what: str) ->
 
 
 def prose_load(cfg: EnginesConfig, corpus: Sequence[int]) -> tuple[list[RequestSpec], list[RequestSpec]]:
-    """(measured, warm-up) for layer and engines: corpus slices sent as token ids."""
-    specs = corpus_requests(corpus, cfg.requests + WARMUP_PER_WORKER, cfg.shape, cfg.seed)
-    return _split_warmup(specs, WARMUP_PER_WORKER)
+    """(measured, warm-up) for layer and engines: corpus slices sent as token ids. The warm-up is one
+    full batch of the measured shape (`concurrency` prompts, WARMUP_TOKENS out each): a first run
+    with only short warm-ups measured first-batch costs (the first measured TTFTs 10+ s late) on
+    whichever side ran first."""
+    specs = corpus_requests(corpus, cfg.requests + cfg.concurrency, cfg.shape, cfg.seed)
+    return specs[cfg.concurrency:], [RequestSpec(s.prompt, WARMUP_TOKENS) for s in specs[:cfg.concurrency]]
 
 
 def layer(cfg: EnginesConfig, corpus: Sequence[int]) -> Comparison:

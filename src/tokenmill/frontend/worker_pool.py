@@ -180,6 +180,7 @@ class WorkerPool:
         self.ctx = zmq.Context.instance()
         self.connections: dict[str, WorkerConnection] = {}
         self.join_messages: list[dict[str, Any]] = []  # sent to each worker as it joins (runtime settings)
+        self._refused: set[str] = set()  # incarnations of workers whose block size is not the routers'
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -246,13 +247,27 @@ class WorkerPool:
                 self.drop(worker_id, "heartbeat timeout")
         for worker_id, info in live.items():
             if worker_id not in self.connections:
-                log.info("worker %s joined at %s", worker_id, info.address)
                 router = self.router_for(info.role)
+                if not self._hashes_alike(info, router):
+                    continue
+                log.info("worker %s joined at %s", worker_id, info.address)
                 router.add_worker(worker_id)
                 conn = self.connections[worker_id] = WorkerConnection(info, self.ctx, router, self.event_plane,
                                                                       self.snapshot_on_join)
                 for message in self.join_messages:
                     conn.send(message)
+
+    def _hashes_alike(self, info: WorkerInfo, router: Router) -> bool:
+        """A worker whose KV blocks are not the router's size is refused (said once per incarnation):
+        the router would count its prompts in other blocks than the worker caches."""
+        size = int(info.metadata.get("block_size", router.config.block_size))
+        if size == router.config.block_size:
+            return True
+        if info.incarnation not in self._refused:
+            self._refused.add(info.incarnation)
+            log.error("worker %s caches blocks of %d tokens, this frontend's --block-size is %d: not routing to it",
+                      info.worker_id, size, router.config.block_size)
+        return False
 
     async def _poll(self) -> None:
         while True:

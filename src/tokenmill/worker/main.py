@@ -81,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
                                   drain_timeout_s=args.drain_timeout_s, advertise_host=args.advertise_host)
         if args.check_only:
             return _check_only(args)
-        engine, transfer = _vllm_engine(args) if args.engine == VLLM else _own_engine(args)
         discovery = discovery_from_url(args.discovery, args.discovery_ttl_s)
         event_plane = _event_plane(args)
+        engine, transfer = _vllm_engine(args) if args.engine == VLLM else _own_engine(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -115,6 +115,10 @@ def _check_only(args: argparse.Namespace) -> int:
     """--check-only: the engine's options as it would take them, nothing started."""
     if args.engine == VLLM:
         _vllm_engine(args)[0].discard()
+    else:
+        from tokenmill.engine.cli_args import engine_config_from_args
+
+        engine_config_from_args(args, args.worker_id)
     print(f"ok: the {args.engine} engine's options are accepted")
     return 0
 

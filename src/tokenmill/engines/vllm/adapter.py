@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import shutil
 import os
+import shutil
 import signal
 import tempfile
 from collections.abc import AsyncIterator
@@ -77,12 +77,23 @@ class VLLMEngine:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
+        """vLLM's engine core up (EngineStartError with vLLM's reason otherwise, nothing left running)."""
         self._bridge.start(self._endpoints.publish, self._endpoints.replay, self._endpoints.topic)
         try:
+            self._start_llm()
+        except BaseException:
+            await self.stop()
+            raise
+        self._watchdog = asyncio.create_task(self._watch())
+        log.info("vLLM engine up: max_model_len %d, %d KV blocks of %d tokens", self.info.max_model_len,
+                 self._num_blocks, self._block_size)
+
+    def _start_llm(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        try:
             self._llm = AsyncLLM.from_engine_args(self._engine_args, stat_loggers=[logger_for(self._book.totals)])
-        except Exception as exc:  # vLLM says why in its log lines above; its exception names the stage
+        except Exception as exc:  # vLLM logs the root cause above; its exception names the stage
             raise EngineStartError(f"vLLM failed to start: {exc}") from exc
         config = self._llm.vllm_config
         if config.cache_config.block_size != self._block_size:
@@ -95,9 +106,6 @@ class VLLMEngine:
         # vLLM checks EOS, stop ids and lengths; the processor only makes text and finds stop strings
         self._output = OutputProcessor(self._tokenizer, frozenset(self._tokenizer.eos_token_ids),
                                        self._info.max_model_len)
-        self._watchdog = asyncio.create_task(self._watch())
-        log.info("vLLM engine up: max_model_len %d, %d KV blocks of %d tokens", self._info.max_model_len,
-                 self._num_blocks, self._block_size)
 
     async def stop(self) -> None:
         if self._watchdog is not None:

@@ -22,7 +22,6 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -38,12 +37,10 @@ REPLAY_TIMEOUT_MS = 2000
 
 class VLLMEventBridge:
     def __init__(self, emitter: KVEventEmitter, block_size: int, hash_seed: int = 0) -> None:
-        from vllm.distributed.kv_events import KVEventBatch
-
         self.emitter = emitter
         self.block_size = block_size
         self.hash_seed = hash_seed
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._decode: Any = None  # vLLM's batch decoder, made on start (vLLM is only imported there)
         self._tm_of: dict[str, dict[Any, int]] = {}  # tier -> vLLM hash -> tokenmill hash
         self._last_seq = -1
         self.unchained = 0  # stored blocks whose parent was never seen (their chain cannot be rebuilt)
@@ -51,6 +48,10 @@ class VLLMEventBridge:
         self._task: asyncio.Task | None = None
 
     def start(self, publish: str, replay: str, topic: str) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
         self._task = asyncio.create_task(self._run(publish, replay, topic))
 
     async def close(self) -> None:
@@ -107,8 +108,8 @@ class VLLMEventBridge:
     def _apply_payload(self, seq: int, payload: bytes) -> None:
         self._last_seq = seq
         try:
-            batch = self._decoder.decode(payload)
-        except msgspec.DecodeError as exc:
+            batch = self._decode(payload)
+        except ValueError as exc:  # msgspec's DecodeError is one
             log.warning("vLLM KV events: undecodable batch %d: %s", seq, exc)
             return
         self.apply(batch.events)
