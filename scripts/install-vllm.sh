@@ -37,9 +37,19 @@ PY
     "$BIN/pip" install -q -r "$VENV/vllm-requirements.txt"
     ;;
   *)
-    "$BIN/pip" install -q "$PACKAGE"
+    "$BIN/pip" install -q "$PACKAGE" packaging
     ;;
 esac
-"$BIN/pip" install -q -e .
+# tokenmill beside it, without bending vLLM's pins: its own requirements less torch and transformers
+# (vLLM brings the builds it was made for), then tokenmill itself without dependency resolution.
+"$BIN/python" - > "$VENV/tokenmill-requirements.txt" <<'PY'
+import tomllib
+from packaging.requirements import Requirement
+with open("pyproject.toml", "rb") as f:
+    deps = tomllib.load(f)["project"]["dependencies"]
+print("\n".join(d for d in deps if Requirement(d).name.lower() not in {"torch", "transformers"}))
+PY
+"$BIN/pip" install -q -r "$VENV/tokenmill-requirements.txt"
+"$BIN/pip" install -q --no-deps -e .
 touch "$VENV/.installed"
 echo "vLLM venv ready: $VENV ($("$BIN/python" -c 'import vllm; print(vllm.__version__)'))"
