@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +17,7 @@ import openai
 import pytest
 
 from tests.engines_vllm.conftest import BLOCK_SIZE, VLLM_START_S, Deployment, vllm_alone
-from tests.serving.probes import busy_worker_pid, metric, stream_with_a_kill, wait
+from tests.serving.probes import busy_worker_pid, child_pids, metric, stream_with_a_kill, wait
 from tests.serving.test_dashboard import _points
 from tests.serving.test_runtime_scaling import state_is, wait_for
 from tokenmill.kv.hashing import block_hashes
@@ -227,13 +226,6 @@ def test_a_killed_vllm_worker_stream_finishes_on_the_other_worker(vllm_deploymen
 
 
 def _children(pid: int) -> list[int]:
-    """The processes `pid` started (vLLM's engine core and its executor's workers)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
+    """The processes `pid` started (vLLM's engine core and its executor's workers), transitively."""
+    found = list(child_pids(pid))
     return found + [grandchild for child in found for grandchild in _children(child)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -58,3 +59,17 @@ def stream_with_a_kill(base: str, prompt: list[int], max_tokens: int, kill: Call
             killed = kill()
     assert killed is not None, "the stream ended before its 40th chunk"
     return "".join(text), killed
+
+
+def child_pids(pid: int) -> dict[int, list[bytes]]:
+    """The processes whose parent is `pid`, with their command lines (read from /proc)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found[int(stat.parent.name)] = cmdline
+    return found

@@ -12,20 +12,12 @@ from pathlib import Path
 import httpx
 
 from tests.serving.conftest import start_server, stop_server
+from tests.serving.probes import child_pids
 
 
 def _frontend_pids(serve_pid: int) -> list[int]:
     """`tokenmill frontend` processes whose parent is the serve process."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(fields[1]) == serve_pid and b"frontend" in cmdline:
-            pids.append(int(stat.parent.name))
-    return pids
+    return [pid for pid, cmdline in child_pids(serve_pid).items() if b"frontend" in cmdline]
 
 
 def test_two_api_servers_share_the_port_and_both_reach_every_worker(tiny_dense: Path, tmp_path: Path) -> None:
