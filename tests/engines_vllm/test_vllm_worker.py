@@ -28,7 +28,7 @@ from tokenmill.textgen.detokenizer import IncrementalDetokenizer
 from tokenmill.textgen.tokenizer import Tokenizer
 
 MAX_TOKENS = 24
-KILL_TOKENS = 120
+KILL_TOKENS = 600  # long enough that the stream is still generating when its 40th chunk is read
 MESSAGES = [{"role": "user", "content": "Tell me about Elizabeth and Mr Darcy."}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "count"],
           "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]},

@@ -111,8 +111,8 @@ class SyntheticWorker:
         self.stamps: list[int] = []
         self.first_id = self.target = self.removed_before = 0
         self.emitter.subscribe(self._stamp)  # before the publisher's: the clock starts as the engine emits
-        # all the publisher reads of an engine: `engine.engine.events`
-        engine: Any = SimpleNamespace(engine=SimpleNamespace(events=self.emitter))
+        # all the publisher reads of an engine adapter here: its `events`
+        engine: Any = SimpleNamespace(events=self.emitter)
         if plane is not None:
             from tokenmill.runtime.event_plane import kv_subject
 
