@@ -1,4 +1,4 @@
-"""DESIGN.md's arrows that keep a frontend or router host free of the engine (and so of torch):
+"""ARCHITECTURE.md's arrows that keep a frontend or router host free of the engine (and so of torch):
 frontend, runtime and router import no `tokenmill.engine`, and `tokenmill.textgen`, the request
 types they share with the engine, imports no other tokenmill package. Checked twice: statically
 over every module (lazy imports inside functions included) and by importing them all in a fresh

@@ -21,11 +21,12 @@ from tokenmill.frontend.launch import (add_frontend_flags, api_keys, disagg_conf
                                       make_backend, model_name, router_policy, run_http)
 from tokenmill.router.policies import RouterConfig
 from tokenmill.runtime import event_loop
+from tokenmill.runtime.unix_sockets import socket_dir
 from tokenmill.transfer.memory import remove_shared_files_of
 
 log = logging.getLogger(__name__)
 
-CONTROL_SOCKET = "control.sock"  # in the run directory: the other API servers' way to the workers
+CONTROL_SOCKET = "control.sock"  # beside the workers' sockets: the other API servers' way to the workers
 CHECK_TIMEOUT_S = 120  # vLLM's engine options are checked by its venv's interpreter (imports vLLM: seconds)
 
 
@@ -50,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=None,
                         help="requests a worker may hold waiting beyond a full batch before 429")
     parser.add_argument("--run-dir", default=None,
-                        help="directory for worker sockets and the registry (default: a fresh temp dir)")
+                        help="directory for the registry and the worker sockets (default: a fresh temp dir); "
+                             "sockets go to a short temp dir if its path is too long for one")
     parser.add_argument("--worker-start-timeout-s", type=float, default=300.0,
                         help="a worker started through /admin/workers that has not registered by then has failed")
     from tokenmill.planner.flags import add_serve_planner_arguments
@@ -84,16 +86,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="tokenmill-"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    sockets = socket_dir(run_dir)
     try:
-        return event_loop.run(_serve(args, run_dir, engine_argv(args)))
+        return event_loop.run(_serve(args, run_dir, sockets, engine_argv(args)))
     except KeyboardInterrupt:
         return 0
     finally:
+        if sockets != run_dir:
+            shutil.rmtree(sockets, ignore_errors=True)
         if not args.run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
-async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]) -> int:
+async def _serve(args: argparse.Namespace, run_dir: Path, sockets: Path, engine_args: list[str]) -> int:
+    """The workers and API servers of one run: the registry in `run_dir`, the Unix sockets in `sockets`."""
     from tokenmill.frontend.control_socket import serve_control_socket
     from tokenmill.frontend.routes_admin import answer_workers
     from tokenmill.frontend.worker_control import WorkerControl
@@ -105,12 +111,12 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
     discovery = FileDiscovery(registry)
 
     def worker_spec(name: str, role: str) -> ChildSpec:
-        return ChildSpec(name, _worker_argv(args, name, role, run_dir, engine_args))
+        return ChildSpec(name, _worker_argv(args, name, role, run_dir, sockets, engine_args))
 
     specs = [worker_spec(name, role) for name, role in _workers(args)]
     keys = api_keys(args)  # to the other API servers by environment: a command line is public (ps)
     key_env = {k: v for k, v in ((API_KEY_ENV, keys.api), (ADMIN_API_KEY_ENV, keys.admin)) if v}
-    key_env[CONTROL_SOCKET_ENV] = str(run_dir / CONTROL_SOCKET)  # they forward /admin/workers here
+    key_env[CONTROL_SOCKET_ENV] = str(sockets / CONTROL_SOCKET)  # they forward /admin/workers here
     specs += [ChildSpec(f"api-server-{i}", _api_server_argv(args, run_dir), key_env)
               for i in range(1, args.api_servers)]
     args.reuse_port = args.reuse_port or args.api_servers > 1
@@ -123,7 +129,7 @@ async def _serve(args: argparse.Namespace, run_dir: Path, engine_args: list[str]
     backend.worker_control = control = WorkerControl(supervisor, backend.pool, worker_spec, roles, _workers(args),
                                                      args.worker_start_timeout_s)
     watchers = [asyncio.create_task(supervisor.watch()), asyncio.create_task(control.run())]
-    control_socket = (await serve_control_socket(run_dir / CONTROL_SOCKET, partial(answer_workers, control))
+    control_socket = (await serve_control_socket(sockets / CONTROL_SOCKET, partial(answer_workers, control))
                       if args.api_servers > 1 else None)
     try:
         await run_http(args, backend)
@@ -198,18 +204,19 @@ def _workers(args: argparse.Namespace) -> list[tuple[str, str]]:
             + [(f"decode-{i}", "decode") for i in range(args.decode)])
 
 
-def _worker_argv(args: argparse.Namespace, name: str, role: str, run_dir: Path, engine_args: list[str]) -> list[str]:
+def _worker_argv(args: argparse.Namespace, name: str, role: str, run_dir: Path, sockets: Path,
+                 engine_args: list[str]) -> list[str]:
     from tokenmill.engines.options import engine_flags_argv, engine_selection_argv
 
     argv = [args.worker_python, "-m", "tokenmill.cli", "--log-level", args.log_level, "worker", *engine_args,
             *engine_selection_argv(args),
-            "--worker-id", name, "--address", f"ipc://{run_dir}/{name}.sock",
+            "--worker-id", name, "--address", f"ipc://{sockets}/{name}.sock",
             "--discovery", f"file:{run_dir / 'registry'}", "--parent-pid", str(os.getpid()),
             "--served-model-name", model_name(args)]
     if args.event_plane:
         argv += ["--event-plane", args.event_plane]
     elif router_policy(args) == "kv" or role == "prefill":  # only KV routers consume events
-        argv += ["--events-address", f"ipc://{run_dir}/{name}-events.sock"]
+        argv += ["--events-address", f"ipc://{sockets}/{name}-events.sock"]
     if args.max_queue is not None:
         argv += ["--max-queue", str(args.max_queue)]
     if role != "agg":

@@ -8,7 +8,7 @@ from tokenmill.kv.hashing import block_hashes, hash_block
 
 
 def _reference(tokens: list[int], bs: int, seed: int) -> list[int]:
-    """The DESIGN.md definition, written out independently of the implementation."""
+    """The ARCHITECTURE.md definition ("Block hashing"), written out independently of the implementation."""
     out: list[int] = []
     for i in range(len(tokens) // bs):
         raw = b"".join(struct.pack("<I", t) for t in tokens[i * bs:(i + 1) * bs])

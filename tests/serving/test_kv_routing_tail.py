@@ -26,6 +26,8 @@ import pytest
 
 from tests.serving.conftest import Server, start_server, stop_server
 
+pytestmark = pytest.mark.solo  # live timing against modelled time: run alone
+
 log = logging.getLogger(__name__)
 
 GROUPS, PREFIX, SUFFIX, REQUESTS, CONCURRENCY, WORKERS, OUTPUT = 8, 384, 16, 128, 8, 4, 16

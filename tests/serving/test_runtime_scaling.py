@@ -18,6 +18,8 @@ import openai
 import pytest
 
 from tests.serving.conftest import Server, start_server, stop_server
+from tests.serving.probes import child_pids
+from tokenmill.frontend.control_socket import CONTROL_SOCKET_ENV
 from tokenmill.frontend.worker_control import WorkerControl
 from tokenmill.runtime.supervisor import ChildSpec
 
@@ -324,9 +326,16 @@ def test_every_api_server_answers_for_the_workers_behind_the_admin_key(tiny_dens
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "role"
             assert admin(server, {"action": "start", "role": "agg"}).status_code == 401
             assert admin(server).status_code == 401
-        assert os.path.exists(tmp_path / "control.sock")
+        [control_socket] = {_environ(pid).get(CONTROL_SOCKET_ENV) for pid, cmdline in child_pids(server.process.pid).items()
+                            if b"frontend" in cmdline}
+        assert control_socket is not None and Path(control_socket).is_socket()
     finally:
         stop_server(server)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
 
 
 class _FakeSupervisor:

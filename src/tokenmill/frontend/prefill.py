@@ -1,4 +1,4 @@
-"""A request's prefill on the prefill pool (disaggregated serving, DESIGN.md step 3).
+"""A request's prefill on the prefill pool (disaggregated serving, ARCHITECTURE.md "The disaggregated path").
 
 `RemotePrefill.run` sends the prompt as a prefill-only generate to a prefill worker chosen
 by the prefill pool's router, and yields the first token the moment that worker answers,

@@ -1,4 +1,4 @@
-"""KV events: what a worker tells routers about the blocks it holds (DESIGN.md).
+"""KV events: what a worker tells routers about the blocks it holds (ARCHITECTURE.md, "KV events and snapshots").
 
 `stored{worker, tier, parent, hashes[], event_id}`, `removed{worker, tier, hashes[],
 event_id}`, `cleared{worker, event_id}`. `event_id` increases by one per worker,

@@ -1,4 +1,4 @@
-"""Block hashing: the one definition every part of tokenmill shares (DESIGN.md).
+"""Block hashing: the one definition every part of tokenmill shares (ARCHITECTURE.md, "Block hashing").
 
 A prompt is cut into full blocks of `block_size` tokens; a trailing partial block
 is never hashed. For block i:

@@ -1,7 +1,7 @@
 """Conditional disaggregation: whether a request's prompt is prefilled on a prefill worker.
 
 A deployment with prefill workers sends each new request's prompt to one of them unless
-prefilling it where it will be decoded is cheaper (DESIGN.md, "How a request flows", step 3):
+prefilling it where it will be decoded is cheaper (ARCHITECTURE.md, "The disaggregated path"):
 
 - `short_uncached_prompt`: the part of the prompt the chosen decode worker does not already
   cache is below `threshold_tokens` — moving its KV would cost more than computing it;

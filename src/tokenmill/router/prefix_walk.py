@@ -2,7 +2,7 @@
 
 An index maps a chained block hash to an int whose bit `s` is set when the worker in
 slot `s` holds that block (Python ints are unbounded, so any number of workers fits).
-Because chained hashes encode their whole prefix (DESIGN.md "Block hashing"), the
+Because chained hashes encode their whole prefix (ARCHITECTURE.md "Block hashing"), the
 longest prefix a worker holds is found by walking the request's hashes from block 0
 and AND-ing masks: a worker drops out at the first block it lacks.
 

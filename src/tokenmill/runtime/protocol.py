@@ -15,7 +15,7 @@ one per request.
 
 Disaggregated serving adds two fields: a `generate` with `prefill_only` is answered by one
 `tokens` frame with finish_reason "handoff" carrying `kv_handle` (where the prompt's KV can be
-pulled from, DESIGN.md "KV transfer handle"); a `generate` with `kv_handle` continues such a
+pulled from, ARCHITECTURE.md "KV transfer handle"); a `generate` with `kv_handle` continues such a
 request on a decode worker, whose prompt then ends with the first token.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """tokenmill.transfer: move KV blocks (any registered bytes) between workers.
 
-One API over memory kinds and backends (DESIGN.md, "KV transfer handle"):
+One API over memory kinds and backends (ARCHITECTURE.md, "KV transfer handle"):
 
 - `memory`: `allocate_shared_tensor` (the KV pool in shared memory), `MemoryRegion`,
   `host_region`, `SharedBuffer`.

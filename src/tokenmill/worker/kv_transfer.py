@@ -2,7 +2,7 @@
 
 Prefill side: the engine's KV pool lives in shared memory (`allocator()`), registered with a
 `TransferAgent` as region "kv". When a prefill-only request ends, `handle_for` turns its held
-blocks into a handle (DESIGN.md "KV transfer handle": the agent's metadata, the pool layout, the
+blocks into a handle (ARCHITECTURE.md "KV transfer handle": the agent's metadata, the pool layout, the
 block ids, the prompt length, the first token and one xxh3 checksum per block). The blocks stay
 held until the decode worker's `release` notification arrives, or `hold_timeout_s` passes.
 

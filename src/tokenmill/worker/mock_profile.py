@@ -1,6 +1,6 @@
 """`--mock-profile MODEL@GPU[:precision][:layout]`: the simulator as a mock worker's clock.
 
-The worker is the one place that joins the simulator to the engine (DESIGN.md: `worker → sim`
+The worker is the one place that joins the simulator to the engine (ARCHITECTURE.md "Dependency rules": `worker → sim`
 only for the mock runner's clock): it builds the simulator's `StepClock` for the profile and
 hands it to the engine config, so every mock step lasts what the step-time model predicts for
 that step's shape, and a KV pull between mock workers lasts what the GPU's link would take.

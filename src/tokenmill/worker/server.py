@@ -9,7 +9,7 @@ iteration produces for a peer (an engine step's tokens) leave as one `batch`; ea
 heartbeat also says what the worker holds for the *other* peers' requests, which is what
 that frontend's router adds to its own books (router/load.py).
 
-Roles (DESIGN.md): `agg` prefills and decodes; `prefill` and `decode` also run a
+Roles (ARCHITECTURE.md "Processes at run time"): `agg` prefills and decodes; `prefill` and `decode` also run a
 `KVTransferService`, so a prefill-only generate is answered with a KV transfer handle and a
 generate carrying a handle pulls the prompt's KV instead of computing it. Any role still serves
 plain generates (conditional disaggregation prefills short prompts on the decode worker).

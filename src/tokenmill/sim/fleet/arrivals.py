@@ -33,7 +33,7 @@ interleave instead of arriving in lock-step). A fractional K adds copy `floor(K)
 the fraction (each of its requests kept with probability `K - floor(K)`, seeded). Copies of a
 Mooncake trace are K independent user populations that behave alike: copy `c` keeps all the
 prefix sharing inside itself, but its chains are namespaced by `c` (folded into the seed of
-block 0's local hash, as DESIGN.md folds an extra key), so copies share nothing with each
+block 0's local hash, as ARCHITECTURE.md "Block hashing" folds an extra key), so copies share nothing with each
 other. That is what a user sizing a fleet for K times the users expects: the per-request hit
 rate of the original trace, not a copy hitting its twin's freshly computed prefix. (A prefix
 every user truly shares, such as one system prompt, becomes K prefixes: a slight
