@@ -23,8 +23,9 @@ VLLM_PYTHON = REPO / VLLM_VENV / "bin" / "python"
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
 KV_BLOCKS = 48  # per worker: five 600-token prompts overflow it (the removal test)
+# float32 as vLLM alone runs: `--dtype auto` is the checkpoint's bf16 on a host with AMX
 ENGINE_FLAGS = ("--engine", "vllm", "--engine-python", str(VLLM_PYTHON), "--engine-arg", "enforce_eager=true",
-                "--max-model-len", str(MAX_MODEL_LEN))
+                "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32")
 VLLM_START_S = 300  # a cold vLLM start on 2 busy cores (its first one also fills caches)
 
 

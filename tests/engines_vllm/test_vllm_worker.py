@@ -118,8 +118,8 @@ def test_the_index_holds_what_vllm_caches_and_loses_what_it_evicts(vllm_deployme
     # prompts that share its first two blocks go to its holder (KV routing), and each of their 17 new
     # blocks pushes the least recently used out of its 48: the first prompt's other blocks
     shared = ids[:2 * BLOCK_SIZE]
-    for seed in range(20, 24):
-        client.completions.create(model="tiny", prompt=shared + prompt(seed, 540), max_tokens=1, temperature=0)
+    hits = [cached_tokens(client, shared + prompt(seed, 540)) for seed in range(20, 24)]
+    assert hits == [len(shared)] * 4  # each found the shared blocks: it went to their holder
     wait(lambda: not expected <= index(vllm_deployment)[holder], "the removal events", 20)
     assert set(block_hashes(shared, BLOCK_SIZE)) <= index(vllm_deployment)[holder]  # those stayed in use
 
