@@ -32,9 +32,11 @@ $(STAMP): pyproject.toml
 system-packages:
 	bash scripts/system-packages.sh
 
-# Two processes, a test file each at a time (files share their servers); then, alone, the tests
-# that compare live timing with modelled time, which a neighbour's load would skew.
+# Lint first (ruff, configured in pyproject.toml). Then two pytest processes, a test file each at a
+# time (files share their servers); then, alone, the tests that compare live timing with modelled
+# time, which a neighbour's load would skew.
 test: install install-vllm system-packages
+	$(BIN)/ruff check src tests scripts
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m 'not solo'
 	$(BIN)/python -m pytest -m solo
 

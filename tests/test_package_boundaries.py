@@ -1,8 +1,8 @@
-"""ARCHITECTURE.md's arrows that keep a frontend or router host free of the engine (and so of torch):
-frontend, runtime and router import no `tokenmill.engine`, and `tokenmill.textgen`, the request
-types they share with the engine, imports no other tokenmill package. Checked twice: statically
-over every module (lazy imports inside functions included) and by importing them all in a fresh
-interpreter."""
+"""ARCHITECTURE.md's arrows that keep a frontend, router or planner host free of the engine (and so of
+torch), and benchmarks on top: frontend, runtime, router and planner import no `tokenmill.engine`; no
+product package imports `tokenmill.bench`; `tokenmill.textgen`, the request types they share with the
+engine, imports no other tokenmill package. Checked twice: statically over every module (lazy imports
+inside functions included) and by importing them all in a fresh interpreter."""
 from __future__ import annotations
 
 import ast
@@ -15,9 +15,15 @@ import pytest
 import tokenmill
 
 PACKAGE = Path(tokenmill.__file__).parent
-FORBIDDEN = {"frontend": ("engine",), "runtime": ("engine",), "router": ("engine",),
+FORBIDDEN = {"frontend": ("engine", "bench"), "runtime": ("engine", "bench"), "router": ("engine", "bench"),
+             "planner": ("engine", "bench"),
              "textgen": ("engine", "frontend", "router", "runtime", "worker", "kv", "sim", "planner", "bench",
-                         "transfer")}
+                         "transfer"),
+             "workloads": ("engine", "engines", "frontend", "router", "runtime", "worker", "planner", "bench",
+                           "transfer")}
+# benchmarks sit on top: no product package imports them
+FORBIDDEN.update({package: FORBIDDEN.get(package, ()) + ("bench",)
+                  for package in ("engine", "engines", "kv", "sim", "transfer", "worker", "datasets")})
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -43,7 +49,7 @@ def test_no_module_imports_across_a_forbidden_arrow(package: str) -> None:
 def test_the_frontend_process_loads_no_torch_and_no_engine() -> None:
     script = (
         "import importlib, pkgutil, sys, tokenmill\n"
-        "for package in ('frontend', 'runtime', 'router', 'textgen'):\n"
+        "for package in ('frontend', 'runtime', 'router', 'textgen', 'planner', 'workloads'):\n"
         "    root = importlib.import_module(f'tokenmill.{package}')\n"
         "    for info in pkgutil.walk_packages(root.__path__, f'tokenmill.{package}.'):\n"
         "        importlib.import_module(info.name)\n"

@@ -17,8 +17,17 @@ from pathlib import Path
 from tokenmill.engines import VLLM
 from tokenmill.frontend.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from tokenmill.frontend.control_socket import CONTROL_SOCKET_ENV
-from tokenmill.frontend.launch import (add_frontend_flags, api_keys, disagg_config, event_plane, frontend_argv,
-                                      make_backend, model_name, router_policy, run_http)
+from tokenmill.frontend.launch import (
+    add_frontend_flags,
+    api_keys,
+    disagg_config,
+    event_plane,
+    frontend_argv,
+    make_backend,
+    model_name,
+    router_policy,
+    run_http,
+)
 from tokenmill.router.policies import RouterConfig
 from tokenmill.runtime import event_loop
 from tokenmill.runtime.unix_sockets import socket_dir

@@ -11,9 +11,9 @@ import pytest
 
 from tokenmill.bench.demo_bench import add_arguments
 from tokenmill.bench.demo_report import simulate_run
-from tokenmill.bench.demo_workloads import scenario_specs
 from tokenmill.cli import main
 from tokenmill.textgen.tokenizer import Tokenizer
+from tokenmill.workloads.demo import scenario_specs
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -12,8 +12,8 @@ from tokenmill.bench import engines_bench
 from tokenmill.bench.engines_report import Goal, comparison_report, complete, run_outcome
 from tokenmill.bench.engines_sides import SERVE, VLLM_ALONE, EnginesConfig
 from tokenmill.bench.loadgen import OK, TIMEOUT, RequestRecord
-from tokenmill.bench.prompt_synth import SyntheticShape, corpus_requests
 from tokenmill.cli import main
+from tokenmill.workloads.prompt_synth import SyntheticShape, corpus_requests
 
 
 def _args(*flags: str) -> argparse.Namespace:

@@ -9,10 +9,10 @@ import pytest
 
 from tokenmill.bench import loadgen
 from tokenmill.bench.loadgen import RequestRecord
-from tokenmill.bench.prompt_synth import RequestSpec
 from tokenmill.bench.serve_report import TOP_LEVEL_KEYS, report_json
 from tokenmill.bench.serve_stats import SLO, distribution_ms, summarize, tpot_s
 from tokenmill.cli import main
+from tokenmill.workloads.prompt_synth import RequestSpec
 
 TARGET = loadgen.Target("http://127.0.0.1:9", "tiny", timeout_s=5.0)
 

@@ -6,11 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.prompt_synth import (
-    HashBlockSynth, SyntheticShape, TokenSpace, poisson_arrivals, synthetic_requests,
-)
 from tokenmill.bench.trace_replay import TraceFit, read_trace, trace_requests
 from tokenmill.datasets import MOONCAKE_TRACE, data_file
+from tokenmill.workloads.prompt_synth import (
+    HashBlockSynth,
+    SyntheticShape,
+    TokenSpace,
+    poisson_arrivals,
+    synthetic_requests,
+)
 
 REAL_TRACE = data_file(MOONCAKE_TRACE)
 SPACE = TokenSpace(vocab_size=2048, min_id=3)

@@ -72,7 +72,7 @@ def test_bad_flags_exit_2(flag: str, value: str, tiny_dense: Path, tmp_path: Pat
 
 
 def test_reusable_fraction_counts_leading_seen_blocks() -> None:
-    from tokenmill.bench.prompt_synth import RequestSpec
+    from tokenmill.workloads.prompt_synth import RequestSpec
 
     specs = [RequestSpec([0] * 8, 1, 0.0, (1, 2)), RequestSpec([0] * 8, 1, 0.0, (1, 3)),
              RequestSpec([0] * 6, 1, 0.0, (1, 2, 9))]

@@ -17,9 +17,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.disagg.conftest import (
+    MAX_TOKENS,
+    assert_idle,
+    complete_all,
+    metrics,
+    mixed_prompts,
+    reference,
+    signal_worker,
+    wait_for,
+)
 from tokenmill.bench.serve_process import ServeProcess
-from tests.disagg.conftest import (MAX_TOKENS, assert_idle, complete_all, metrics, mixed_prompts, reference,
-                                   signal_worker, wait_for)
 
 REMOTE = 'tokenmill_disagg_decisions_total{decision="remote",reason="long_uncached_prompt"}'
 SHORT = 'tokenmill_disagg_decisions_total{decision="local",reason="short_uncached_prompt"}'

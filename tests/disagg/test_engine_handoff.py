@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.helpers import GREEDY, make_engine, prompts
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.textgen.outputs import FINISH_HANDOFF, RequestOutput
 from tokenmill.textgen.sampling import SamplingParams
-from tests.engine.helpers import GREEDY, make_engine, prompts
 
 PARAMS = dataclasses.replace(GREEDY, max_tokens=24)
 

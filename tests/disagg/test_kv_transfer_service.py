@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.helpers import GREEDY, make_engine, prompts
 from tokenmill.engine.async_engine import AsyncLLMEngine, KVImport
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.textgen.outputs import FINISH_HANDOFF, RequestOutput
 from tokenmill.worker.kv_transfer import KVTransferService
 from tokenmill.worker.transfer_faults import TransferFaults
-from tests.engine.helpers import GREEDY, make_engine, prompts
 
 PARAMS = dataclasses.replace(GREEDY, max_tokens=16)
 

@@ -11,8 +11,8 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.mock_runner import StepTimeModel, step_work
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import ScheduledSeq, SchedulerOutput
-from tokenmill.engine.step_work import StepWork
 from tokenmill.sim.fleet.clock import StepClock
+from tokenmill.step_work import StepWork
 from tokenmill.textgen.sampling import SamplingParams
 
 PROFILE = "llama-3.1-8b@h100:fp8:tp1"

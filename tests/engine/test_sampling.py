@@ -1,7 +1,6 @@
 """Seeded sampling, top-k/top-p, stop conditions and logprobs."""
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.engine.helpers import make_engine, prompts

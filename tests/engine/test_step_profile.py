@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.engine.helpers import make_engine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.step_profile import CLASSES, StepProfiler
 from tokenmill.textgen.sampling import SamplingParams
-from tests.engine.helpers import make_engine
 
 
 def _hooks(engine: LLMEngine) -> int:

@@ -15,19 +15,29 @@ from pydantic import BaseModel
 from tokenmill.frontend.formatting import usage_of
 from tokenmill.frontend.routes_chat import ChatChunks
 from tokenmill.frontend.routes_completions import CompletionChunks
+from tokenmill.frontend.schema import (
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
+from tokenmill.frontend.streaming import sse_frame
 from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from tokenmill.textgen.sampling import TokenLogprob
 from tokenmill.textgen.tokenizer import Tokenizer
-from tokenmill.frontend.schema import (ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatDelta,
-                                       ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-                                       CompletionResponse, PromptTokensDetails, TopLogprob, Usage)
-from tokenmill.frontend.streaming import sse_frame
 
 MODEL = "tiny"
 RID = "req-1"
 # Token ids of the tiny checkpoint's byte-level vocabulary: "h", "ll", "o", " w", and one byte of
 # a multi-byte character (decodes alone to U+FFFD, a non-ASCII string).
-H, LL, O, W, PARTIAL = 74, 285, 81, 263, 130
+H, LL, O_, W, PARTIAL = 74, 285, 81, 263, 130
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +74,7 @@ def _token(tokenizer: Tokenizer, token_id: int) -> str:
 
 
 LOGPROBS = [TokenLogprob(H, -0.25, [(H, -0.25), (LL, -1.5), (PARTIAL, float("-inf"))]),
-            TokenLogprob(PARTIAL, -3.125, [(O, -0.5), (PARTIAL, -3.125)])]
+            TokenLogprob(PARTIAL, -3.125, [(O_, -0.5), (PARTIAL, -3.125)])]
 USAGE = Usage(prompt_tokens=5, completion_tokens=3, total_tokens=8,
               prompt_tokens_details=PromptTokensDetails(cached_tokens=2))
 
@@ -93,7 +103,7 @@ def test_completion_stream_has_no_opening_chunk(tokenizer: Tokenizer) -> None:
 def test_completion_delta_chunks(tokenizer: Tokenizer, text: str, finish: str | None,
                                  api_finish: str | None) -> None:
     writer = _completions(tokenizer)
-    (chunk,) = writer.for_delta(_out(text, [O, W] if text else [], finish))
+    (chunk,) = writer.for_delta(_out(text, [O_, W] if text else [], finish))
     _assert_same(chunk, _completion_chunk(writer, [CompletionChoice(text=text, finish_reason=api_finish)]))
 
 
@@ -107,7 +117,7 @@ def test_completion_delta_with_logprobs(tokenizer: Tokenizer) -> None:
         top_logprobs=[{texts[0]: -0.25, _token(tokenizer, LL): -1.5, texts[1]: float("-inf")}])
     expected_second = CompletionLogprobs(  # offsets count on from the previous chunk's text
         tokens=[texts[1]], token_logprobs=[-3.125], text_offset=[len(texts[0])],
-        top_logprobs=[{_token(tokenizer, O): -0.5, texts[1]: -3.125}])
+        top_logprobs=[{_token(tokenizer, O_): -0.5, texts[1]: -3.125}])
     _assert_same(first, _completion_chunk(writer, [CompletionChoice(text="h", logprobs=expected_first)]))
     _assert_same(second, _completion_chunk(
         writer, [CompletionChoice(text="", logprobs=expected_second, finish_reason="stop")]))
@@ -146,7 +156,7 @@ def test_chat_opening_chunk(tokenizer: Tokenizer) -> None:
 def test_chat_delta_chunks(tokenizer: Tokenizer, text: str, finish: str | None, api_finish: str | None,
                            delta: dict[str, str]) -> None:
     writer = _chat(tokenizer)
-    (chunk,) = writer.for_delta(_out(text, [O, W] if text else [], finish))
+    (chunk,) = writer.for_delta(_out(text, [O_, W] if text else [], finish))
     assert chunk["choices"][0]["delta"] == delta
     model_delta = ChatDelta(content=text) if delta else ChatDelta()
     _assert_same(chunk, _chat_chunk(writer, [ChatChunkChoice(delta=model_delta, finish_reason=api_finish)]))
@@ -190,7 +200,7 @@ def test_a_delta_with_nothing_to_show_makes_no_chunk(tokenizer: Tokenizer, make:
 
 def test_sse_frame_is_compact_json_with_utf8_kept(tokenizer: Tokenizer) -> None:
     text = "héllo wörld ✓ 你好 \U0001f600"
-    (chunk,) = _chat(tokenizer).for_delta(_out(text, [O]))
+    (chunk,) = _chat(tokenizer).for_delta(_out(text, [O_]))
     frame = sse_frame(chunk)
     assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
     body = frame[len(b"data: "):-2]

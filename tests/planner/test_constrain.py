@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.planner.test_propose import FixedModel, Load
 from tokenmill.planner.constrain import Constrainer, Limits
 from tokenmill.planner.observation import SERVING, STARTING, Observation
 from tokenmill.planner.planner import Planner
 from tokenmill.planner.propose import Proposer
-from tests.planner.test_propose import FixedModel, Load
 
 
 def test_bounds_step_and_gpu_budget() -> None:

@@ -12,7 +12,12 @@ import pytest
 from tokenmill.cli import main
 from tokenmill.planner.backtest import bucket_arrivals
 from tokenmill.planner.predict import (
-    PREDICTORS, ArimaPredictor, KalmanPredictor, LoadForecast, LoadPredictor, make_predictor,
+    PREDICTORS,
+    ArimaPredictor,
+    KalmanPredictor,
+    LoadForecast,
+    LoadPredictor,
+    make_predictor,
 )
 from tokenmill.sim.fleet.arrivals import load_trace
 

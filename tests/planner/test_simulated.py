@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.planner.test_constrain import Steady
 from tokenmill.cli import main
 from tokenmill.planner.constrain import Limits
 from tokenmill.planner.setup import make_planner
@@ -21,7 +22,6 @@ from tokenmill.sim.fleet.config import SLA, FleetConfig
 from tokenmill.sim.fleet.fleet import FleetSim
 from tokenmill.sim.fleet.report import summarize
 from tokenmill.sim.fleet.synthetic import synthetic
-from tests.planner.test_constrain import Steady
 
 PROFILE = "llama-3.1-70b@h100:fp8:tp4"
 INTERVAL = 30.0

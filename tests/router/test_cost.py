@@ -1,4 +1,4 @@
-"""The cost function: the issue's worked example, tier weights, ties and softmax sampling."""
+"""The cost function: the module docstring's worked example, tier weights, ties and softmax sampling."""
 from __future__ import annotations
 
 import random

@@ -2,16 +2,15 @@
 stopped by PID; `restart(fresh=True)` brings it back on the same port with its data gone."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import asyncio
+from pathlib import Path
 
 import httpx
 import uvloop
 
 from tests.runtime.loopback_server import LoopbackServer
-from tokenmill.runtime.etcd_discovery import EtcdDiscovery, parse_etcd_url
 from tokenmill.bench.serve_process import free_port
+from tokenmill.runtime.etcd_discovery import EtcdDiscovery, parse_etcd_url
 
 
 class EtcdServer(LoopbackServer):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.netns import Hosts
 from tokenmill.bench.serve_process import ServeProcess as Server
 from tokenmill.bench.serve_process import start_serve, stop
+from tokenmill.runtime.netns import Hosts
 
 __all__ = ["Server", "start_server", "stop_server"]
 

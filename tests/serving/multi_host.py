@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.runtime.etcd_server import EtcdServer
 from tests.runtime.nats_server import NatsServer
 from tests.serving.probes import wait
-from tokenmill.bench.netns import Hosts
+from tokenmill.runtime.netns import Hosts
 from tokenmill.transfer.memory import SHM_DIR, SHM_PREFIX
 
 INFRA = 4

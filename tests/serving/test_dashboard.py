@@ -15,8 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.frontend.dashboard.figures import snapshot, window
 from tests.serving.conftest import Server, start_server, stop_server
+from tokenmill.frontend.dashboard.figures import snapshot, window
 
 KEY = "dashboard-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -19,8 +19,8 @@ from tests.runtime.etcd_server import registered
 from tests.serving.multi_host import fleet
 from tests.serving.probes import answers, metric, wait
 from tests.serving.test_serve import _reference
-from tokenmill.bench.netns import Hosts
 from tokenmill.bench.serve_process import free_port
+from tokenmill.runtime.netns import Hosts
 from tokenmill.transfer.memory import remove_shared_files_of
 
 FRONTEND, HOST_A, HOST_B = 1, 2, 3

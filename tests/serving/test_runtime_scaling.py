@@ -3,7 +3,6 @@ start, drain (never aborting a stream), re-role, refusals naming the field, fail
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import shutil
 import signal

@@ -9,14 +9,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenmill.engine.step_work import StepWork
 from tokenmill.sim.deploy import make_context
-from tokenmill.sim.engine_fit import (StepSample, _predict, engine_layout, fit_engine, measure_engine_steps,
-                                      predict_engine_decode_step)
+from tokenmill.sim.engine_fit import (
+    StepSample,
+    _predict,
+    engine_layout,
+    fit_engine,
+    measure_engine_steps,
+    predict_engine_decode_step,
+)
 from tokenmill.sim.hardware import get_gpu, load_gpu_file
 from tokenmill.sim.local_calibrate import calibrate_local
 from tokenmill.sim.models import get_model
 from tokenmill.sim.tuning import Tuning
+from tokenmill.step_work import StepWork
 
 
 def _shapes() -> list[StepWork]:

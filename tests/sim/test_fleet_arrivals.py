@@ -11,12 +11,12 @@ import pytest
 import xxhash
 
 from tokenmill import datasets
-from tokenmill.bench.prompt_synth import HashBlockSynth, TokenSpace
 from tokenmill.bench.trace_replay import TraceFit, read_trace, trace_requests
 from tokenmill.kv.hashing import block_hashes, chain_hash
 from tokenmill.sim.fleet import arrivals, block_chains
 from tokenmill.sim.fleet.arrivals import TraceRequest, load_trace
 from tokenmill.sim.fleet.synthetic import synthetic
+from tokenmill.workloads.prompt_synth import HashBlockSynth, TokenSpace
 
 MOONCAKE = datasets.data_file(datasets.MOONCAKE_TRACE)
 AZURE_CONV = datasets.data_file(datasets.AZURE_CONV_TRACE)

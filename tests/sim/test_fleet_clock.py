@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from tokenmill.engine.step_work import StepWork
 from tokenmill.sim.fleet.clock import StepClock, parse_layout, parse_profile
+from tokenmill.step_work import StepWork
 
 
 @pytest.mark.parametrize("profile", ["llama-3.1-8b@h100:fp8:tp1", "qwen3-30b-a3b@h100:bf16:tp2ep2",

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from tokenmill.datasets import MOONCAKE_TRACE, data_file
-from tokenmill.engine.step_work import StepWork
 from tokenmill.router.disagg import DisaggConfig
 from tokenmill.sim.fleet.arrivals import TraceRequest, load_trace
 from tokenmill.sim.fleet.clock import StepClock, parse_profile
@@ -16,6 +15,7 @@ from tokenmill.sim.fleet.config import SLA, FleetChange, FleetConfig
 from tokenmill.sim.fleet.fleet import FleetSim
 from tokenmill.sim.fleet.report import run_fleet, summarize
 from tokenmill.sim.fleet.synthetic import synthetic
+from tokenmill.step_work import StepWork
 
 PROFILE = parse_profile("llama-3.1-8b@h100:fp8:tp1")
 

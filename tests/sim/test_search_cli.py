@@ -4,7 +4,8 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenmill.cli import main
 from tokenmill.sim import get_gpu, get_model, step_coefficients

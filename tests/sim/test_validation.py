@@ -9,11 +9,18 @@ from tokenmill.cli import main
 from tokenmill.sim import validate
 from tokenmill.sim.fit import MIN_ROWS_PER_MODEL, ErrorSummary, fit_ttft_by_model, summarise
 from tokenmill.sim.paths import silicon_csv
-from tokenmill.sim.published import (MIN_LATENCY_MTP3, Case, deepseek_b200_max_throughput, deepseek_b200_min_latency,
-                                     deepseek_gb200_disagg, gb200_alltoall, min_latency_tps_per_user)
+from tokenmill.sim.predict import predict_rows
+from tokenmill.sim.published import (
+    MIN_LATENCY_MTP3,
+    Case,
+    deepseek_b200_max_throughput,
+    deepseek_b200_min_latency,
+    deepseek_gb200_disagg,
+    gb200_alltoall,
+    min_latency_tps_per_user,
+)
 from tokenmill.sim.serving import Workload
 from tokenmill.sim.silicon import load_silicon
-from tokenmill.sim.predict import predict_rows
 from tokenmill.sim.tuning import TTFT_FIELDS, Tuning, load_fitted, pick_tuning
 
 
@@ -31,7 +38,7 @@ def test_silicon_coverage_and_split(silicon):
 
 
 def test_held_out_subset_errors(silicon):
-    # Every 3rd held-out row keeps the test fast; the targets are 15% (TPOT) and 25% (TTFT).
+    # Every 3rd held-out row keeps the test fast; the targets are 15% (TPOT) and 25% (TTFT).
     # The whole held-out half is at ~14.7% / ~22.3% in `sim validate`; this third at ~13.9% / ~23.0%.
     held = [r for r in silicon.rows if r.held_out][::3]
     s = summarise(held, load_fitted())

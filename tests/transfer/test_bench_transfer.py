@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench import netns
 from tokenmill.cli import main
+from tokenmill.runtime import netns
 
 
 def test_bench_transfer_writes_rows_for_both_backends_and_cases(tmp_path: Path) -> None:

@@ -1,14 +1,20 @@
 """Descriptor validation, coalescing, wire encoding and KV-block descriptors."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
 from tests.transfer.helpers import LAYOUT, agent_pair, run
-from tokenmill.transfer import (Descriptor, KVLayout, TransferStatus, coalesce, coalesce_pairs,
-                                kv_block_descriptors, kv_pair_descriptors, validate_descriptors)
+from tokenmill.transfer import (
+    Descriptor,
+    KVLayout,
+    TransferStatus,
+    coalesce,
+    coalesce_pairs,
+    kv_block_descriptors,
+    kv_pair_descriptors,
+    validate_descriptors,
+)
 from tokenmill.transfer.descriptors import decode_descriptors, encode_descriptors
 
 

@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from tests.transfer.helpers import LAYOUT, FaultyProxy, agent_pair, run
-from tokenmill.transfer import KVLayout, TransferAgent, TransferStatus, allocate_shared_tensor, kv_block_descriptors
-from tokenmill.transfer import kv_pair_descriptors
+from tokenmill.transfer import (
+    KVLayout,
+    TransferAgent,
+    TransferStatus,
+    allocate_shared_tensor,
+    kv_block_descriptors,
+    kv_pair_descriptors,
+)
 from tokenmill.transfer.descriptors import encode_descriptors
 from tokenmill.transfer.memory import SHM_DIR
 from tokenmill.transfer.peer_process import POOL_REGION, PeerProcess, PeerSpec
@@ -72,7 +78,7 @@ def test_connection_dropped_mid_transfer_fails_the_handle_then_tcp_recovers() ->
             src, dst = kv_pair_descriptors(LAYOUT, "kv", ALL_BLOCKS, LAYOUT, "kv", ALL_BLOCKS)
             handle = pair.decode.read("prefill", src, dst)
             assert await handle.wait() is TransferStatus.FAILED
-            assert f"peer closed the connection after" in handle.reason
+            assert "peer closed the connection after" in handle.reason
             assert f"of {LAYOUT.total_bytes} payload bytes" in handle.reason
             await proxy.close()
             pair.decode.add_remote(metadata)  # straight to the server again: it kept serving

@@ -1,15 +1,20 @@
 """Random block sets round-trip bit-exactly over shm and tcp, in one process and across two."""
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
 import torch
 
 from tests.transfer.helpers import LAYOUT, agent_pair, blocks_bytes, random_block_sets, random_pool, run
-from tokenmill.transfer import (SharedBuffer, TransferAgent, TransferStatus, allocate_shared_tensor,
-                                kv_block_descriptors, kv_pair_descriptors)
+from tokenmill.transfer import (
+    SharedBuffer,
+    TransferAgent,
+    TransferStatus,
+    allocate_shared_tensor,
+    kv_block_descriptors,
+    kv_pair_descriptors,
+)
 from tokenmill.transfer.descriptors import encode_descriptors
 from tokenmill.transfer.peer_process import POOL_REGION, PeerProcess, PeerSpec
 

@@ -7,7 +7,7 @@ the trial-protocol agents) runs for a fixed time under each state of the dashboa
   + managed cache    the host KV tier on
 
 against one `tokenmill serve` whose toggles are switched through `/admin/settings`, exactly as
-the page does. The load is the scenario's own requests (`demo_workloads.scenario_specs`, a new
+the page does. The load is the scenario's own requests (`workloads.demo.scenario_specs`, a new
 seed per state so no state reuses another's prompts) streamed open-loop by the bench's client;
 a trial run starts with one unmeasured turn of each agent (a deployment in its steady state,
 not a cold one); the table has TTFT mean/p50/p90 and ITL p50/p99 as the client saw them, the prefix hits by tier
@@ -142,8 +142,8 @@ async def _all_runs(url: str, args: argparse.Namespace, scenarios: list[str], co
 
 async def _one_run(admin: httpx.AsyncClient, target: Target, scenario: str, label: str, rate: float,
                    seed: int, tokenizer: Any, context: int, args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.bench.demo_workloads import scenario_specs
     from tokenmill.bench.loadgen import make_client, new_records, run_closed_loop, run_open_loop
+    from tokenmill.workloads.demo import scenario_specs
 
     warmup, specs = scenario_specs(scenario, seed, rate, args.duration_s,
                                    lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True),

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.prompt_synth import RequestSpec
+from tokenmill.workloads.prompt_synth import RequestSpec
 
 
 def print_table(rows: list[dict[str, Any]], mock: bool) -> None:

@@ -1,6 +1,6 @@
 """`tokenmill bench disagg`: prefill/decode interference, aggregated vs disaggregated serving.
 
-Issue 4's benchmark. One seeded open-loop workload is sent, with the same prompts and the same
+The disaggregation benchmark. One seeded open-loop workload is sent, with the same prompts and the same
 Poisson arrival times, to two fresh `tokenmill serve` deployments on this host, one after the other:
 
 - aggregated (`--agg-flags`, default `--workers 2 --threads 1`): both workers prefill and decode,
@@ -10,7 +10,7 @@ Poisson arrival times, to two fresh `tokenmill serve` deployments on this host, 
   `--disagg-threshold 256` to measure conditional disaggregation, where short prompts are
   prefilled on the decode worker), so decode steps are never stretched by a long prefill.
 
-Each worker is one process with one torch thread, so both arms use two cores. The mix (issue 4):
+Each worker is one process with one torch thread, so both arms use two cores. The mix:
 `--long-fraction` (20%) of the requests carry `--long-prompt` (1,500) random tokens, the rest
 `--short-prompt` (64); every answer is exactly `--output-len` (128) tokens (ignore_eos). Exactly
 round(fraction × N) requests are long, at seeded positions, so small runs keep the mix.
@@ -74,14 +74,31 @@ if TYPE_CHECKING:  # the bench modules pull numpy and httpx: only `run` imports 
     import httpx
 
     from tokenmill.bench.loadgen import RequestRecord, Target
-    from tokenmill.bench.prompt_synth import RequestSpec
     from tokenmill.bench.serve_process import ServeProcess
     from tokenmill.bench.serve_stats import Distribution, ServeSummary
+    from tokenmill.workloads.prompt_synth import RequestSpec
 
-from tokenmill.bench.disagg_workload import (DEFAULT_PRESET, LONG, MODEL_CACHE, SHORT, Mix, build_workload, model_shape, resolve_model,
-                                             warmup_requests, workload_json)
-from tokenmill.bench.serve_observe import (CLIENT_KEY, FRONTEND_KEY, HOST_KEY, count_server_events, cpu_snapshot,
-                                           decisions_delta, fetch_decisions)
+from tokenmill.bench.disagg_workload import (
+    DEFAULT_PRESET,
+    LONG,
+    MODEL_CACHE,
+    SHORT,
+    Mix,
+    build_workload,
+    model_shape,
+    resolve_model,
+    warmup_requests,
+    workload_json,
+)
+from tokenmill.bench.serve_observe import (
+    CLIENT_KEY,
+    FRONTEND_KEY,
+    HOST_KEY,
+    count_server_events,
+    cpu_snapshot,
+    decisions_delta,
+    fetch_decisions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--rate", type=float, default=DEFAULT_RATE, help="Poisson arrivals, requests/s")
     parser.add_argument("--seed", type=int, default=0)
-    mix = parser.add_argument_group("workload mix (issue 4's defaults)")
+    mix = parser.add_argument_group("workload mix (defaults)")
     mix.add_argument("--long-prompt", type=int, default=1500, help="tokens in a long prompt")
     mix.add_argument("--short-prompt", type=int, default=64, help="tokens in a short prompt")
     mix.add_argument("--long-fraction", type=float, default=0.2, help="share of requests with a long prompt")

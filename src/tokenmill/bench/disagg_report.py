@@ -1,5 +1,5 @@
 """The rich tables `tokenmill bench disagg` prints from its JSON report (one column per arm,
-then the disaggregated ÷ aggregated ratios against issue 4's targets)."""
+then the disaggregated ÷ aggregated ratios against the targets)."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,4 @@
-"""The workload and model of `tokenmill bench disagg`: issue 4's seeded mix of long and short
+"""The workload and model of `tokenmill bench disagg`: a seeded mix of long and short
 prompts with fixed-length answers, its warm-up requests, and small-moe made once in a cache."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenmill.bench.prompt_synth import RequestSpec
+    from tokenmill.workloads.prompt_synth import RequestSpec
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ class Mix:
 
 def build_workload(mix: Mix, rate: float, seed: int, vocab_size: int) -> tuple[list[RequestSpec], list[str]]:
     """The seeded requests (arrival times set) and each one's prompt class; both arms send these."""
-    from tokenmill.bench.prompt_synth import RequestSpec, TokenSpace, poisson_arrivals, random_tokens
     import numpy as np
+
+    from tokenmill.workloads.prompt_synth import RequestSpec, TokenSpace, poisson_arrivals, random_tokens
 
     # an exact count of long prompts at seeded positions: a Bernoulli draw per request would
     # let a 20-request test run, or an unlucky seed, drift far from the 20% the issue asks for
@@ -68,8 +69,9 @@ def warmup_requests(mix: Mix, count: int, seed: int, vocab_size: int) -> list[Re
 
     Their own seed stream: never a prefix of a measured prompt, so no measured request hits the cache.
     """
-    from tokenmill.bench.prompt_synth import RequestSpec, TokenSpace, random_tokens
     import numpy as np
+
+    from tokenmill.workloads.prompt_synth import RequestSpec, TokenSpace, random_tokens
 
     rng = np.random.default_rng([seed, 2])
     space = TokenSpace(vocab_size, MIN_TOKEN_ID)

@@ -21,7 +21,12 @@ from typing import Any
 from tokenmill.bench.engine_profile import profile_engine, render_profile
 from tokenmill.bench.hf_baseline import run_hf_baseline
 from tokenmill.bench.report import (
-    DecodeStepShape, EngineBenchReport, TokenmillResult, WorkloadSummary, decode_floor, render_table,
+    DecodeStepShape,
+    EngineBenchReport,
+    TokenmillResult,
+    WorkloadSummary,
+    decode_floor,
+    render_table,
     write_json,
 )
 

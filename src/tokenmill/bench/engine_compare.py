@@ -25,8 +25,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.prompt_synth import RequestSpec
 from tokenmill.bench.serve_report import EngineComparison
+from tokenmill.workloads.prompt_synth import RequestSpec
 
 # engine-bench config key → the bench-serve flag that must carry the same value
 MATCHED_FLAGS = {"num_requests": "num_requests", "min_prompt": "min_input", "max_prompt": "max_input",

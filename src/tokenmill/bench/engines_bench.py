@@ -36,13 +36,23 @@ from typing import Any
 from rich.console import Console
 
 from tokenmill.bench import loadgen
-from tokenmill.bench.engines_report import complete, comparison_report, payload, render, run_outcome
+from tokenmill.bench.engines_report import comparison_report, complete, payload, render, run_outcome
 from tokenmill.bench.engines_sides import (
-    COMPARISONS, ENGINES, LAYER, ROUTING, SERVED_NAME, Comparison, EnginesConfig, Side, engines, layer, routing,
+    COMPARISONS,
+    ENGINES,
+    LAYER,
+    ROUTING,
+    SERVED_NAME,
+    Comparison,
+    EnginesConfig,
+    Side,
+    engines,
+    layer,
+    routing,
     side_server,
 )
 from tokenmill.bench.prefix_routing_bench import TextTarget, corpus_words
-from tokenmill.bench.prompt_synth import SyntheticShape
+from tokenmill.workloads.prompt_synth import SyntheticShape
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,17 @@ import httpx
 
 from tokenmill.bench.engines_report import Goal
 from tokenmill.bench.prefix_routing_bench import build_workload, corpus_words
-from tokenmill.bench.prompt_synth import RequestSpec, SyntheticShape, corpus_requests
 from tokenmill.bench.serve_process import (
-    HOST, ServeProcess, free_port, launch, log_tail, running_server, stop, wait_ready,
+    HOST,
+    ServeProcess,
+    free_port,
+    launch,
+    log_tail,
+    running_server,
+    stop,
+    wait_ready,
 )
+from tokenmill.workloads.prompt_synth import RequestSpec, SyntheticShape, corpus_requests
 
 LAYER, ROUTING, ENGINES = "layer", "routing", "engines"
 COMPARISONS = (LAYER, ROUTING, ENGINES)

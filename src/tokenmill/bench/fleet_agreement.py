@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from tokenmill.bench import loadgen
-from tokenmill.bench.prompt_synth import HashBlockSynth, RequestSpec, TokenSpace
 from tokenmill.bench.router_replay import model_limits
 from tokenmill.bench.serve_process import running_server
 from tokenmill.bench.trace_replay import TraceFit, read_trace, trace_requests
 from tokenmill.datasets import AZURE_CONV_TRACE, MOONCAKE_TRACE, data_dir
+from tokenmill.workloads.prompt_synth import HashBlockSynth, RequestSpec, TokenSpace
 
 log = logging.getLogger(__name__)
 SCHEMA = "tokenmill.bench.fleet_agreement/1"

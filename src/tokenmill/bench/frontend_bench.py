@@ -11,7 +11,7 @@ One `tokenmill serve --runner mock --mock-step-time 0,0,0,0 --workers N` is meas
 
 req/s counts successful responses (wrk's status errors, i.e. status > 399, left out) over wrk's
 measured duration; latencies are wrk's, to the whole response (the last SSE chunk when streaming).
-The targets are the issue's; they are reported (met / miss), never asserted.
+The targets are the project's; they are reported (met / miss), never asserted.
 
 JSON (`--json OUT`, schema "tokenmill.bench.frontend", version 1): {schema, schema_version,
 config {every flag, model (the one served), serve_argv, wrk_argv (the measured runs'), cpu_count},

@@ -1,4 +1,4 @@
-"""Results of `tokenmill bench frontend`: one load run's figures, the issue's targets, the table."""
+"""Results of `tokenmill bench frontend`: one load run's figures, the targets, the table."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,7 +58,7 @@ class Target:
         return f"{self.op} {self.limit:,g}{self.unit} {verdict}"
 
 
-# the issue's targets, for reference only: nothing asserts them
+# the project's targets, for reference only: nothing asserts them
 TARGETS: dict[str, Target] = {
     "non_streaming_requests_per_s": Target(("runs", "non_streaming", "requests_per_s"), ">=", 2750, ""),
     "streaming_requests_per_s": Target(("runs", "streaming", "requests_per_s"), ">=", 1000, ""),

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from tokenmill.bench.prompt_synth import RequestSpec
+from tokenmill.workloads.prompt_synth import RequestSpec
 
 log = logging.getLogger(__name__)
 

@@ -81,10 +81,10 @@ async def _replay(url: str, specs: list[Any]) -> tuple[list[Any], list[tuple[flo
 
 def _live(args: argparse.Namespace, model: str, trace: Path, workers: int, planned: bool, work: Path) -> dict[str, Any]:
     from tokenmill.bench import loadgen
-    from tokenmill.bench.prompt_synth import HashBlockSynth, TokenSpace
     from tokenmill.bench.router_replay import model_limits
     from tokenmill.bench.serve_process import running_server
     from tokenmill.bench.trace_replay import TraceFit, read_trace, trace_requests
+    from tokenmill.workloads.prompt_synth import HashBlockSynth, TokenSpace
 
     _, vocab = model_limits(model)
     fit = TraceFit(args.time_scale / args.speedup, args.max_requests, args.max_input_tokens, args.max_output_tokens)

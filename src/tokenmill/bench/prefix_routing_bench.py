@@ -36,9 +36,9 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenmill.bench import loadgen
-from tokenmill.bench.prompt_synth import RequestSpec
 from tokenmill.bench.serve_process import ServeProcess, running_server
 from tokenmill.bench.serve_stats import Distribution, distribution_ms
+from tokenmill.workloads.prompt_synth import RequestSpec
 
 log = logging.getLogger(__name__)
 

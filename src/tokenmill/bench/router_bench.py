@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.router_workload import ChainFactory, build_fleet, decision_prompts, event_stream
-from tokenmill.kv.hashing import block_hashes
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 from tokenmill.router.decision import RoutingRequest
 from tokenmill.router.indexer import ApplyStatus
 from tokenmill.router.policies import Router, RouterConfig
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=1_000_000, help="(worker, block) entries to index")
     parser.add_argument("--prompt-tokens", type=int, default=4096)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--decisions", type=int, default=5000)
     parser.add_argument("--window", type=int, default=256, help="requests in flight during decisions")
     parser.add_argument("--events", type=int, default=300_000)

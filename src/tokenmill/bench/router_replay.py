@@ -4,7 +4,7 @@ For every policy a fresh `tokenmill serve --workers N --runner mock --router POL
 the same requests (built once from the trace) are replayed open-loop at the trace's scaled
 arrival times, and the server is stopped. Per policy: mean/p50/p99 TTFT, prefill tokens
 computed (prompt − cached tokens, from usage), cache hit rate, output tokens/s, requests per
-worker; and mean TTFT(round-robin) ÷ mean TTFT(kv) (the issue's target: ≥ 2).
+worker; and mean TTFT(round-robin) ÷ mean TTFT(kv) (the target: ≥ 2).
 
 Default scaling, and why:
 - the whole trace from its first record: its prefix reuse grows from ~5% of blocks in the first
@@ -40,11 +40,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenmill.bench import loadgen
-from tokenmill.bench.prompt_synth import HashBlockSynth, RequestSpec, TokenSpace
 from tokenmill.bench.serve_process import ServeProcess, running_server
 from tokenmill.bench.serve_stats import SLO, summarize
 from tokenmill.bench.trace_replay import TraceFit, read_trace, trace_requests
 from tokenmill.datasets import MOONCAKE_TRACE, data_dir
+from tokenmill.workloads.prompt_synth import HashBlockSynth, RequestSpec, TokenSpace
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tokenmill.bench import loadgen
-from tokenmill.bench.prompt_synth import (
-    HashBlockSynth, RequestSpec, SyntheticShape, TokenSpace, poisson_arrivals, random_tokens,
-    synthetic_requests,
-)
 from tokenmill.bench.serve_report import EngineComparison, render_table, report_json, write_json
 from tokenmill.bench.serve_stats import SLO, summarize
 from tokenmill.bench.trace_replay import TraceFit, read_trace, trace_requests
+from tokenmill.workloads.prompt_synth import (
+    HashBlockSynth,
+    RequestSpec,
+    SyntheticShape,
+    TokenSpace,
+    poisson_arrivals,
+    random_tokens,
+    synthetic_requests,
+)
 
 log = logging.getLogger(__name__)
 

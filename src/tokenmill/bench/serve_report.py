@@ -40,8 +40,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenmill.bench.loadgen import RequestRecord
-from tokenmill.bench.prompt_synth import RequestSpec
 from tokenmill.bench.serve_stats import Distribution, ServeSummary
+from tokenmill.workloads.prompt_synth import RequestSpec
 
 SCHEMA_NAME = "tokenmill.bench.serve"
 SCHEMA_VERSION = 1

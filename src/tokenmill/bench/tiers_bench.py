@@ -1,7 +1,7 @@
 """`tokenmill bench tiers`: TTFT of an agentic workload with KV tiers (host + disk) vs device
 only, and the first request on a corpus at a second replica with a shared tier vs none.
 
-Workload (issue 6, scaled to small-moe's 4,096-token context): `--agents` agents share one
+Workload (scaled to small-moe's 4,096-token context): `--agents` agents share one
 `--corpus-tokens` corpus (default 2,048, not 4,096, so the last turn still fits); each runs
 `--turns` turns, a turn appending `--turn-tokens` new tokens plus the previous answer
 (`--output-tokens`, greedy, exact length) to its own history. Requests run one at a time,

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.bench.prompt_synth import HashBlockSynth, RequestSpec
+from tokenmill.workloads.prompt_synth import HashBlockSynth, RequestSpec
 
 TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 

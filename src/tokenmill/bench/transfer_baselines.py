@@ -56,7 +56,7 @@ def raw_socket_gbps(nbytes: int, repeats: int, netns: str | None = None, host: s
 def _raw_sender(ports: Any, nbytes: int, netns: str | None, host: str) -> None:
     try:
         if netns is not None:
-            from tokenmill.bench.netns import enter_netns
+            from tokenmill.runtime.netns import enter_netns
 
             enter_netns(netns)
         server = socket.create_server((host, 0))

@@ -14,7 +14,7 @@ and `raw socket` (a child process `sendall`s the bytes over 127.0.0.1 into a blo
 `recv_into` loop here). Targets for sizes >= 16 MB: shm >= 0.6x memcpy, tcp >= 0.6x raw socket.
 
 `--netns` (root and iproute2): tcp across hosts, or as near as one machine gets. One network
-namespace on a bridge (`tokenmill.bench.netns.Hosts(1)`); the prefill peer runs inside it, its
+namespace on a bridge (`tokenmill.runtime.netns.Hosts(1)`); the prefill peer runs inside it, its
 tcp backend bound to and advertising the namespace's address (10.231.<k>.1), and the agent here
 pulls from the root namespace (10.231.<k>.254) across the veth pair and the bridge; the raw
 socket's sender runs in the same namespace, so both figures cross the same veth. Only tcp is
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_across_netns(sizes: list[int], args: argparse.Namespace) -> TransferBenchReport | None:
     """`measure` with the peer in a fresh namespace, deleted however the run ends; None: none could be made."""
-    from tokenmill.bench.netns import Hosts, netns_unavailable
+    from tokenmill.runtime.netns import Hosts, netns_unavailable
 
     reason = netns_unavailable()
     if reason is None:

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.mock_runner import StepTimeModel
-from tokenmill.engine.step_work import StepClock
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
+from tokenmill.step_work import StepClock
 from tokenmill.textgen.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ class EngineConfig:
     model: str
     dtype: str = "auto"  # "auto": the checkpoint's dtype
     threads: int | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None  # wins over kv_cache_gb
     kv_cache_gb: float | None = None
     max_num_seqs: int = 64

@@ -1,7 +1,7 @@
 """The mock runner: the real scheduler and KV bookkeeping, a modelled forward pass.
 
 Each step is priced by a clock (anything with `seconds(StepWork) -> float`,
-`engine.step_work.StepClock`) from that step's real shape, and the runner waits that long
+`tokenmill.step_work.StepClock`) from that step's real shape, and the runner waits that long
 divided by `speedup`. The default clock is the linear `StepTimeModel` (`--mock-step-time`);
 a worker started with `--mock-profile` hands in the simulator's clock for a model on a GPU,
 so a box of mock workers keeps the time of that GPU fleet. The engine never imports the
@@ -23,8 +23,8 @@ import xxhash
 from tokenmill.engine.request import Request
 from tokenmill.engine.runner_protocol import Sampled
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.engine.step_work import StepClock, StepWork, work_of
 from tokenmill.kv.cache_manager import KVCacheManager
+from tokenmill.step_work import StepClock, StepWork, work_of
 
 if TYPE_CHECKING:
     from tokenmill.engine.guided import MaskComputer

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.engine.request import Request
-from tokenmill.textgen.outputs import FINISH_LENGTH, FINISH_STOP
 from tokenmill.textgen.detokenizer import IncrementalDetokenizer
+from tokenmill.textgen.outputs import FINISH_LENGTH, FINISH_STOP
 from tokenmill.textgen.tokenizer import Tokenizer
 
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from tokenmill.engine.models.moe import SparseMoE
 from tokenmill.engine.models.native_linear import NativeLinear

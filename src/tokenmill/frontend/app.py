@@ -25,10 +25,10 @@ from tokenmill.frontend.dashboard import Dashboard
 from tokenmill.frontend.dashboard.routes import dashboard_router
 from tokenmill.frontend.errors import APIError, error_json, install_error_handlers
 from tokenmill.frontend.generation import ServingContext
+from tokenmill.frontend.hot_routes import HotRoutes
 from tokenmill.frontend.metrics import FrontendMetrics
 from tokenmill.frontend.request_args import check_model
 from tokenmill.frontend.routes_admin import admin_router
-from tokenmill.frontend.hot_routes import HotRoutes
 from tokenmill.frontend.routes_chat import create_chat_completion
 from tokenmill.frontend.routes_completions import create_completion
 from tokenmill.frontend.routes_responses import create_response

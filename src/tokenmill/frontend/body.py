@@ -6,7 +6,8 @@ limit.
 """
 from __future__ import annotations
 
-from typing import TypeVar
+import json
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -38,6 +39,14 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     except ClientDisconnect as exc:
         raise APIError(400, "client disconnected while sending the body") from exc
     return b"".join(chunks)
+
+
+def json_of(raw: bytes) -> Any:
+    """A free-form JSON body (the admin endpoints check its fields themselves)."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise invalid_param(None, f"body is not JSON: {exc.msg}") from exc
 
 
 async def parse_body(request: Request, schema: type[ModelT], max_bytes: int) -> ModelT:

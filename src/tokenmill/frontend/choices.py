@@ -25,10 +25,18 @@ from fastapi.responses import Response
 from tokenmill.frontend.errors import SERVER_ERROR, APIError
 from tokenmill.frontend.generation import CancelOnDisconnect, ServingContext, TokenStream
 from tokenmill.frontend.schema import PromptTokensDetails, SamplingFields, Usage
+from tokenmill.frontend.streaming import (
+    CLIENT_CLOSED_REQUEST,
+    DONE_FRAME,
+    ChunkWriter,
+    SSEResponse,
+    choice_frames,
+    chunk_frame,
+    serve_generation,
+    usage_options,
+)
 from tokenmill.textgen.outputs import FINISH_ERROR, RequestOutput
 from tokenmill.textgen.sampling import SamplingParams
-from tokenmill.frontend.streaming import (CLIENT_CLOSED_REQUEST, DONE_FRAME, ChunkWriter, SSEResponse, choice_frames,
-                                          chunk_frame, serve_generation, usage_options)
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
+from tokenmill.frontend.schema import (
+    ChatChoiceLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
 from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_LENGTH, RequestOutput
 from tokenmill.textgen.sampling import TokenLogprob
 from tokenmill.textgen.tokenizer import Tokenizer
-from tokenmill.frontend.schema import (ChatChoiceLogprobs, ChatTokenLogprob, CompletionLogprobs,
-                                       PromptTokensDetails, TopLogprob, Usage)
 
 
 def new_request_id(prefix: str) -> str:

@@ -10,6 +10,7 @@ import threading
 import time
 
 from tokenmill.frontend.launch import add_frontend_flags, make_backend, run_http
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.runtime import event_loop
 
 
@@ -17,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="checkpoint directory (for the tokenizer and config)")
     parser.add_argument("--discovery", required=True, help="file:DIR shared with the workers, or etcd://host:port[,host:port][/prefix]")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (the router hashes by it)")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="the workers' KV block size (the router hashes by it)")
     parser.add_argument("--log-level-http", default="warning")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
     add_frontend_flags(parser)

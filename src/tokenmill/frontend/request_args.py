@@ -13,12 +13,17 @@ from typing import Any, TypeVar
 import jinja2
 
 from tokenmill.frontend.errors import APIError, from_value_error, invalid_param
+from tokenmill.frontend.schema import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    TextContentPart,
+)
 from tokenmill.frontend.structured import response_format_grammar
 from tokenmill.frontend.tools import ToolCalling, render_messages
 from tokenmill.textgen.sampling import SamplingParams
 from tokenmill.textgen.tokenizer import Tokenizer
-from tokenmill.frontend.schema import (ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields,
-                                      TextContentPart)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # n × prompts per request: beyond it a client should send several requests

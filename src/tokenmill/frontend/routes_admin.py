@@ -25,7 +25,6 @@ no agg/decode worker serving (or of a worker not serving) a 409. The other API s
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tokenmill.frontend.body import read_body
+from tokenmill.frontend.body import json_of, read_body
 from tokenmill.frontend.control_socket import CONTROL_SOCKET_ENV, forward
 from tokenmill.frontend.errors import SERVER_ERROR, APIError, error_body, invalid_param
 from tokenmill.frontend.generation import ServingContext
@@ -117,19 +116,13 @@ def _worker_name(body: dict[str, Any]) -> str:
     return name
 
 
-def _json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise invalid_param(None, f"body is not JSON: {exc.msg}") from exc
-
 
 async def answer_workers(control: WorkerControl, method: str, raw: bytes) -> tuple[int, dict[str, Any]]:
     """(status, JSON body) of `GET`/`POST /admin/workers`, errors included."""
     try:
         if method == "GET":
             return 200, control.snapshot()
-        return 202, run_worker_command(control, parse_worker_command(_json(raw), control.roles))
+        return 202, run_worker_command(control, parse_worker_command(json_of(raw), control.roles))
     except APIError as exc:
         return exc.status, error_body(exc.detail)
 
@@ -172,7 +165,7 @@ def admin_router(ctx: ServingContext) -> APIRouter:
 
     @router.post("/admin/pin")
     async def pin(request: Request) -> JSONResponse:
-        body = _json(await read_body(request, ctx.max_body_bytes))
+        body = json_of(await read_body(request, ctx.max_body_bytes))
         ids = await asyncio.to_thread(pin_token_ids, body, ctx.backend.tokenizer)
         if len(ids) >= ctx.backend.max_model_len:
             raise invalid_param("prompt", f"prefix has {len(ids)} tokens; the context length is "

@@ -15,15 +15,29 @@ from tokenmill.frontend.body import parse_body
 from tokenmill.frontend.choices import serve
 from tokenmill.frontend.formatting import api_finish_reason, chat_logprobs, new_request_id
 from tokenmill.frontend.generation import ServingContext
-from tokenmill.textgen.outputs import RequestOutput
-from tokenmill.textgen.sampling import TokenLogprob
-from tokenmill.frontend.request_args import (chat_limits, chat_prompt, check_context_length, check_request,
-                                             prompt_chars, sampling_params, tokenized)
-from tokenmill.frontend.schema import (AssistantMessage, ChatChoice, ChatChoiceLogprobs, ChatCompletionRequest,
-                                       ChatCompletionResponse, ToolCall, Usage)
+from tokenmill.frontend.request_args import (
+    chat_limits,
+    chat_prompt,
+    check_context_length,
+    check_request,
+    prompt_chars,
+    sampling_params,
+    tokenized,
+)
+from tokenmill.frontend.schema import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ToolCall,
+    Usage,
+)
 from tokenmill.frontend.streaming import ChunkWriter, SSEResponse
 from tokenmill.frontend.tool_formats import CallStream
 from tokenmill.frontend.tools import ToolCalling, tool_calling
+from tokenmill.textgen.outputs import RequestOutput
+from tokenmill.textgen.sampling import TokenLogprob
 
 
 class ChatChunks(ChunkWriter):

@@ -10,12 +10,19 @@ from tokenmill.frontend.body import parse_body
 from tokenmill.frontend.choices import serve
 from tokenmill.frontend.formatting import CompletionLogprobsWriter, api_finish_reason, new_request_id
 from tokenmill.frontend.generation import ServingContext
-from tokenmill.textgen.outputs import RequestOutput
-from tokenmill.textgen.tokenizer import Tokenizer
-from tokenmill.frontend.request_args import (check_context_length, check_request, completion_limits,
-                                             completion_prompts, prompt_chars, sampling_params, tokenized)
+from tokenmill.frontend.request_args import (
+    check_context_length,
+    check_request,
+    completion_limits,
+    completion_prompts,
+    prompt_chars,
+    sampling_params,
+    tokenized,
+)
 from tokenmill.frontend.schema import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from tokenmill.frontend.streaming import ChunkWriter, SSEResponse
+from tokenmill.textgen.outputs import RequestOutput
+from tokenmill.textgen.tokenizer import Tokenizer
 
 
 class CompletionChunks(ChunkWriter):

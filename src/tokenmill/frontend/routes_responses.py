@@ -24,11 +24,18 @@ from tokenmill.frontend.body import parse_body
 from tokenmill.frontend.errors import SERVER_ERROR, APIError, invalid_param
 from tokenmill.frontend.formatting import api_finish_reason
 from tokenmill.frontend.generation import CancelOnDisconnect, ServingContext, TokenStream
-from tokenmill.textgen.outputs import FINISH_ERROR, FINISH_LENGTH, RequestOutput
-from tokenmill.frontend.request_args import (chat_prompt, check_context_length, check_model, check_room,
-                                             prompt_chars, sampling_params, tokenized)
+from tokenmill.frontend.request_args import (
+    chat_prompt,
+    check_context_length,
+    check_model,
+    check_room,
+    prompt_chars,
+    sampling_params,
+    tokenized,
+)
 from tokenmill.frontend.schema import ChatCompletionRequest, ChatMessage, _Request
 from tokenmill.frontend.streaming import CLIENT_CLOSED_REQUEST, SSEResponse
+from tokenmill.textgen.outputs import FINISH_ERROR, FINISH_LENGTH, RequestOutput
 
 _STATEFUL = ("previous_response_id", "conversation", "background", "tools")
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tokenmill.engine.step_work import StepWork
 from tokenmill.sim.fleet.clock import StepClock
+from tokenmill.step_work import StepWork
 
 MAX_PREFILL_UTILISATION = 0.9  # beyond this a queue's wait explodes with any burst
 MIN_PREFILL_UTILISATION = 0.05  # when one prompt alone misses the target: still a number to plan with

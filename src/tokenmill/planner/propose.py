@@ -24,8 +24,7 @@ from typing import Any, Protocol
 from tokenmill.planner.flags import MODES
 from tokenmill.planner.load_shape import LoadShape
 from tokenmill.planner.observation import SERVING, Observation
-from tokenmill.planner.perf_model import (MAX_PREFILL_UTILISATION, Capacity, ReplicaModel,
-                                          queue_wait)
+from tokenmill.planner.perf_model import MAX_PREFILL_UTILISATION, Capacity, ReplicaModel, queue_wait
 
 MAX_CORRECTION = 1.5
 KV_HIGH, KV_LOW = 0.85, 0.40  # load mode: decode KV use that adds / allows removing a replica

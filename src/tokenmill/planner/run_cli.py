@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.planner.flags import add_planner_arguments
 from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
 from tokenmill.sim.fleet.clock import parse_profile
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--kv-cache-blocks", type=int, default=None, help="per worker, as serve was given it")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--duration-s", type=float, default=None, help="stop after this long (default: never)")
     parser.add_argument("--json", dest="json_out", type=Path, default=None, help="the decisions, at the end")
     add_planner_arguments(parser)

@@ -9,9 +9,9 @@ import argparse
 from collections.abc import Mapping
 
 from tokenmill.planner.constrain import Constrainer, Limits
+from tokenmill.planner.flags import PREDICTORS
 from tokenmill.planner.perf_model import ReplicaModel
 from tokenmill.planner.planner import Forecaster, Planner
-from tokenmill.planner.flags import PREDICTORS
 from tokenmill.planner.propose import Proposer
 from tokenmill.sim.fleet.clock import Profile, StepClock
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.planner.decision import Decision
+from tokenmill.planner.flags import add_planner_arguments
 from tokenmill.planner.observation import Observation
 from tokenmill.planner.planner import Forecaster
-from tokenmill.planner.flags import add_planner_arguments
 from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
 from tokenmill.planner.simulated import SimulatedDeployment, observe_arrivals
 from tokenmill.sim.fleet.arrivals import TraceRequest

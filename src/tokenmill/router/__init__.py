@@ -1,4 +1,4 @@
-"""tokenmill.router: KV-aware routing (issue 5). Must not import engine or worker.
+"""tokenmill.router: KV-aware routing. Must not import engine or worker.
 
 Modules: `indexer` (global KV index from KV events, gaps and snapshots), `approx`
 (index for engines without events), `load` (active prefill/decode blocks per worker),

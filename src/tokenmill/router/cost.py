@@ -24,7 +24,7 @@ The lowest cost wins; ties go to the least loaded (active prefill + decode block
 at random. With temperature T > 0 the worker is
 sampled with probability ∝ exp(−c̃/T), c̃ = (cost − min) / (max − min) (all 0 when equal).
 
-Worked example (issue 5): a 10-block prompt, prefill_weight 1, device-only overlaps 2, 5
+Worked example: a 10-block prompt, prefill_weight 1, device-only overlaps 2, 5
 and 8 and no prefill backlog give prefill terms 8, 5, 2; with active decode blocks 2, 0
 and 7 the decode terms are 2+8=10, 0+5=5, 7+2=9, so the costs are 18, 10 and 11 and the
 second worker is chosen.

@@ -31,6 +31,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
+
 
 @dataclass(slots=True, frozen=True)
 class WorkerLoad:
@@ -63,7 +65,7 @@ class _WorkerTotals:
 
 
 class LoadTracker:
-    def __init__(self, block_size: int = 16) -> None:
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self.block_size = block_size
         self._workers: dict[str, _WorkerTotals] = {}
         self._requests: dict[str, _Charge] = {}

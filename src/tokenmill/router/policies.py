@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.kv.events import KVEvent
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.router.approx import ApproxIndexer
 from tokenmill.router.cost import CostConfig, choose, worker_terms
 from tokenmill.router.decision import RoutingDecision, RoutingRequest
@@ -49,6 +50,12 @@ POLICIES: tuple[str, ...] = ("kv", "kv-approx", "round-robin", "random", "least-
 _NO_OVERLAP: dict[str, int] = {}
 
 
+def check_policy(policy: str) -> None:
+    """ValueError naming `--router` unless `policy` is one of `POLICIES`."""
+    if policy not in POLICIES:
+        raise ValueError(f"--router must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+
 class NoWorkerAvailable(LookupError):
     """No worker to route to (none registered, or none of the candidates)."""
 
@@ -56,15 +63,14 @@ class NoWorkerAvailable(LookupError):
 @dataclass(slots=True)
 class RouterConfig:
     policy: str = "kv"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     cost: CostConfig = field(default_factory=CostConfig)
     approx_ttl_s: float = 120.0
     approx_max_blocks: int = 1_000_000
     events_stale_after_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"--router must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        check_policy(self.policy)
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.events_stale_after_s <= 0:
@@ -134,8 +140,7 @@ class Router:
     def set_policy(self, policy: str) -> None:
         """Route the next requests by `policy`. `kv` and `kv-approx` need the index this router was
         built with; every policy keeps feeding it, so switching back routes on a current index."""
-        if policy not in POLICIES:
-            raise ValueError(f"--router must be one of {', '.join(POLICIES)}, got {policy!r}")
+        check_policy(policy)
         if policy == "kv" and self.indexer is None or policy == "kv-approx" and self.approx is None:
             raise ValueError(f"this router was built for {self.config.policy}: {policy} needs an index it lacks")
         self.policy = policy

@@ -8,8 +8,8 @@ import numpy as np
 
 from tokenmill.sim.cli import dump_json
 from tokenmill.sim.deploy import estimate, make_context
-from tokenmill.sim.pareto import best_under_sla, pareto_mask, usd_per_million_tokens
 from tokenmill.sim.parallel import Parallel
+from tokenmill.sim.pareto import best_under_sla, pareto_mask, usd_per_million_tokens
 from tokenmill.sim.search import ModePoints, SearchResult, run_search
 from tokenmill.sim.serving import Workload
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenmill.engine.step_work import StepWork
 from tokenmill.sim.hardware import GpuSpec
 from tokenmill.sim.models import get_model
 from tokenmill.sim.operators import OpContext, StepShape
@@ -28,6 +27,7 @@ from tokenmill.sim.parallel import Parallel
 from tokenmill.sim.precision import PrecisionPlan
 from tokenmill.sim.step_time import step_time
 from tokenmill.sim.tuning import Tuning
+from tokenmill.step_work import StepWork
 
 log = logging.getLogger(__name__)
 

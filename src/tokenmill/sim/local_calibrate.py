@@ -15,8 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.sim.hardware import (CPU_LOCAL_DEFAULT_POWER_W, CPU_LOCAL_NAME, CPU_LOCAL_POWER_SOURCE, GpuSpec,
-                                    cpu_local_path)
+from tokenmill.sim.hardware import (
+    CPU_LOCAL_DEFAULT_POWER_W,
+    CPU_LOCAL_NAME,
+    CPU_LOCAL_POWER_SOURCE,
+    GpuSpec,
+    cpu_local_path,
+)
 from tokenmill.sim.models import ModelConfig
 from tokenmill.sim.operators import OpContext, StepShape
 from tokenmill.sim.parallel import Parallel

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokenmill.sim.accounting import param_breakdown, kv_values_per_token_per_layer
+from tokenmill.sim.accounting import kv_values_per_token_per_layer, param_breakdown
 from tokenmill.sim.hardware import GpuSpec
 from tokenmill.sim.models import ModelConfig
 from tokenmill.sim.parallel import Parallel

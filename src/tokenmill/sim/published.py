@@ -8,8 +8,8 @@ import numpy as np
 from tokenmill.sim.comms import alltoall_time, distinct_ranks
 from tokenmill.sim.deploy import make_context
 from tokenmill.sim.layouts import batch_grid
-from tokenmill.sim.pareto import pareto_mask
 from tokenmill.sim.parallel import Parallel
+from tokenmill.sim.pareto import pareto_mask
 from tokenmill.sim.search import run_search
 from tokenmill.sim.serving import Workload, aggregated
 

@@ -10,8 +10,8 @@ from tokenmill.sim.deploy import make_context
 from tokenmill.sim.disagg import decode_pool
 from tokenmill.sim.layouts import batch_grid, cross
 from tokenmill.sim.operators import OpContext
-from tokenmill.sim.pareto import pareto_mask
 from tokenmill.sim.parallel import Parallel
+from tokenmill.sim.pareto import pareto_mask
 from tokenmill.sim.plots import plot_lines
 from tokenmill.sim.search import ModePoints, run_search
 from tokenmill.sim.serving import Workload

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenmill.sim.accounting import kv_bytes_per_token
-from tokenmill.sim.memory import max_sequences, memory_per_gpu, weight_bytes_per_gpu, GB
+from tokenmill.sim.memory import GB, max_sequences, memory_per_gpu, weight_bytes_per_gpu
 from tokenmill.sim.operators import OpContext, StepShape, attention_block, dense_mlp
 from tokenmill.sim.parallel import Parallel
 from tokenmill.sim.step_time import step_time

@@ -41,15 +41,15 @@ class AccountingTarget:
 ACCOUNTING_TARGETS: tuple[AccountingTarget, ...] = (
     AccountingTarget("deepseek-r1", 671.0, "DeepSeek-V3 model card: 671 B main model (685 B with the MTP module)",
                      37.0, "DeepSeek-V3 paper (hyper-parameters, MTP depth 1): 37 B activated per token",
-                     68.6, "config.json: 61 layers x (512 latent + 64 rope) values x 2 B = 68.6 KiB (issue 7)"),
-    AccountingTarget("llama-3.1-70b", 70.6, "Llama-3.1-70B on Hugging Face: 70.6 B parameters (issue 7)",
-                     kv_kib=320.0, kv_src="config.json: 80 layers x 8 KV heads x 128 x (K, V) x 2 B = 320 KiB (issue 7)"),
+                     68.6, "config.json: 61 layers x (512 latent + 64 rope) values x 2 B = 68.6 KiB"),
+    AccountingTarget("llama-3.1-70b", 70.6, "Llama-3.1-70B on Hugging Face: 70.6 B parameters",
+                     kv_kib=320.0, kv_src="config.json: 80 layers x 8 KV heads x 128 x (K, V) x 2 B = 320 KiB"),
     AccountingTarget("qwen3-235b-a22b", 235.0, "Qwen3-235B-A22B model card: 235 B total",
                      22.0, "Qwen3-235B-A22B model card: 22 B activated",
-                     188.0, "config.json: 94 layers x 4 KV heads x 128 x (K, V) x 2 B = 188 KiB (issue 7)"),
+                     188.0, "config.json: 94 layers x 4 KV heads x 128 x (K, V) x 2 B = 188 KiB"),
     AccountingTarget("qwen3-30b-a3b", 30.5, "Qwen3-30B-A3B model card: 30.5 B total (29.9 B non-embedding)",
                      3.35, "Qwen3-30B-A3B config.json: 48 x (18.87 M attn + 8 x 4.72 M experts + 0.26 M router) "
-                           "+ 2 x 311 M embeddings = 3.353 B (the card's 3.3 B is this truncated; issue 12)"),
+                           "+ 2 x 311 M embeddings = 3.353 B (the card's 3.3 B is this truncated)"),
     AccountingTarget("mixtral-8x7b", 46.7, "Mistral AI, Mixtral of experts announcement: 46.7 B total",
                      12.9, "Mistral AI, Mixtral of experts announcement: 12.9 B used per token"),
 )

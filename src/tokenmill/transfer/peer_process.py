@@ -15,7 +15,7 @@ Measuring a transfer against a peer in another process is what makes shm honest:
 out of another process's mapping, not this process's own pages.
 
 `PeerSpec.netns` puts the child on another "host": it enters that network namespace (setns(2),
-`tokenmill.bench.netns.enter_netns`) before its event loop starts, so its tcp server and every
+`tokenmill.runtime.netns.enter_netns`) before its event loop starts, so its tcp server and every
 thread it starts live there; `tcp_host` is the address its tcp backend binds and advertises
 (one of that namespace's). The parent keeps the same spawn + pipe handle either way: `ip netns
 exec` would need its own launcher for multiprocessing and also unshares a mount namespace, which
@@ -110,7 +110,7 @@ class PeerProcess:
 def _child_main(conn: Connection, spec_bytes: bytes) -> None:
     spec = PeerSpec(**msgpack.unpackb(spec_bytes, raw=False))
     if spec.netns is not None:
-        from tokenmill.bench.netns import enter_netns
+        from tokenmill.runtime.netns import enter_netns
 
         try:
             enter_netns(spec.netns)  # before the loop: its executor threads inherit the namespace

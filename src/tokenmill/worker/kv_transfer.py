@@ -36,8 +36,18 @@ import torch
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.kv_handoff import ImportPlan
 from tokenmill.textgen.outputs import RequestOutput
-from tokenmill.transfer import (Backend, Descriptor, KVLayout, SharedTensor, TransferAgent, TransferError, TransferHandle,
-                                allocate_shared_tensor, kv_block_descriptors, kv_pair_descriptors)
+from tokenmill.transfer import (
+    Backend,
+    Descriptor,
+    KVLayout,
+    SharedTensor,
+    TransferAgent,
+    TransferError,
+    TransferHandle,
+    allocate_shared_tensor,
+    kv_block_descriptors,
+    kv_pair_descriptors,
+)
 from tokenmill.worker.transfer_faults import TransferFaults
 
 log = logging.getLogger(__name__)

@@ -9,14 +9,13 @@
 """
 from __future__ import annotations
 
-import json
 from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
-from tokenmill.frontend.body import read_body
+from tokenmill.frontend.body import json_of, read_body
 from tokenmill.frontend.dashboard import Dashboard
 from tokenmill.frontend.dashboard.stream import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from tokenmill.frontend.errors import APIError, invalid_param
@@ -42,7 +41,7 @@ def dashboard_router(dashboard: Dashboard, max_body_bytes: int) -> APIRouter:
 
     @router.post("/admin/settings")
     async def post_settings(request: Request) -> JSONResponse:
-        body = _json(await read_body(request, max_body_bytes))
+        body = json_of(await read_body(request, max_body_bytes))
         return JSONResponse(await _settings(dashboard).apply(body))
 
     @router.get("/admin/scenarios")
@@ -51,7 +50,7 @@ def dashboard_router(dashboard: Dashboard, max_body_bytes: int) -> APIRouter:
 
     @router.post("/admin/scenarios")
     async def post_scenarios(request: Request) -> JSONResponse:
-        body = _json(await read_body(request, max_body_bytes))
+        body = json_of(await read_body(request, max_body_bytes))
         return JSONResponse(await _scenarios(dashboard).command(body))
 
     return router
@@ -81,9 +80,3 @@ def _window(raw: str | None) -> float:
         raise invalid_param("window_s", f"window_s must be a number of seconds in (0, {MAX_WINDOW_S:g}], got {raw!r}")
     return value
 
-
-def _json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise invalid_param(None, f"body is not JSON: {exc.msg}") from exc

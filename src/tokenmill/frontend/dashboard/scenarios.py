@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
-from tokenmill.bench.demo_workloads import DemoRequest, RiskSynthesis, TrialProtocol, trace_requests
 from tokenmill.frontend.errors import invalid_param
+from tokenmill.workloads.demo import DemoRequest, RiskSynthesis, TrialProtocol, trace_requests
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The fleet simulator: a request trace replayed over simulated workers (issue 12).
+"""The fleet simulator: a request trace replayed over simulated workers.
 
 Modules: `clock` (the step-time model as a per-step function, shared with the mock runner),
 `arrivals` (request traces; `trace_files` reads them), `synthetic` (synthetic load), `block_chains` (the

@@ -47,10 +47,11 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.sim.fleet.block_chains import Blocks, chain_blocks, split_chains
 from tokenmill.sim.fleet.trace_files import read_azure, read_mooncake
 
-MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces (as bench.prompt_synth)
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces (as workloads.prompt_synth)
 _MASK64 = (1 << 64) - 1
 
 
@@ -71,7 +72,7 @@ def load_trace(
     path: str | Path,
     kind: str = "auto",
     *,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     tokens_per_hash_block: int = MOONCAKE_BLOCK_TOKENS,
     time_scale: float = 1.0,
     max_requests: int | None = None,

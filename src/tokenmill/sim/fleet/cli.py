@@ -15,6 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.router.disagg import DisaggConfig
 from tokenmill.sim.fleet.arrivals import TraceRequest, load_trace
 from tokenmill.sim.fleet.clock import Profile, parse_layout
@@ -68,7 +69,7 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
                        help="prefill on the decode replica while every prefill replica has this many in flight")
     fleet.add_argument("--local-prefill-limit", type=int, default=1,
                        help="... and while the decode replica prefills fewer than this many itself (0: never)")
-    fleet.add_argument("--block-size", type=int, default=16)
+    fleet.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     fleet.add_argument("--max-num-seqs", type=int, default=256)
     fleet.add_argument("--max-num-batched-tokens", type=int, default=8192)
     fleet.add_argument("--kv-blocks", type=int, default=None, help="per replica (default: what its memory holds)")

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.engine.step_work import StepWork
 from tokenmill.sim.accounting import kv_bytes_per_token
 from tokenmill.sim.deploy import make_context
 from tokenmill.sim.memory import kv_capacity_tokens
 from tokenmill.sim.operators import OpContext, StepShape
 from tokenmill.sim.parallel import Parallel
 from tokenmill.sim.step_time import step_time
+from tokenmill.step_work import StepWork
 
 PREFILL_TOKENS = (0, 1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 PREFILL_CONTEXT = (1, 128, 512, 2048, 8192, 32768, 131072)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.router.disagg import DisaggConfig
-from tokenmill.router.policies import POLICIES
+from tokenmill.router.policies import check_policy
 from tokenmill.sim.fleet.clock import Profile
 
 ROLES = ("agg", "prefill", "decode")
@@ -63,7 +64,7 @@ class FleetConfig:
     prefill: int = 0
     decode: int = 0
     router: str = "kv"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_blocks: int | None = None  # per replica; default: what the profile's memory holds
@@ -89,8 +90,7 @@ class FleetConfig:
             raise ValueError("--decode: a disaggregated fleet needs decode replicas (now or by a --change)")
         if not (self.agg or self.decode or any(c.action == "add" for c in self.changes)):
             raise ValueError("--agg: the fleet has no replica to serve with")
-        if self.router not in POLICIES:
-            raise ValueError(f"--router must be one of {', '.join(POLICIES)}, got {self.router!r}")
+        check_policy(self.router)
         for role in self.roles_used():
             if role not in self.profiles:
                 raise ValueError(f"--{'layout' if role == 'agg' else role + '-layout'}: no profile for role {role!r}")

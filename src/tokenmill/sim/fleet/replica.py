@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.engine.step_work import StepWork
 from tokenmill.sim.fleet.clock import StepClock
 from tokenmill.sim.fleet.worker import Batch, SimWorker
+from tokenmill.step_work import StepWork
 
 MAX_RUN_STEPS = 512  # bounds the linear-in-i error of a run whose context crosses grid points
 

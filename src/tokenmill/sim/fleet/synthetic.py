@@ -11,8 +11,13 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.sim.fleet.arrivals import (
-    MOONCAKE_BLOCK_TOKENS, Rows, TraceRequest, build_requests, check_positive_int,
+    MOONCAKE_BLOCK_TOKENS,
+    Rows,
+    TraceRequest,
+    build_requests,
+    check_positive_int,
 )
 
 
@@ -29,7 +34,7 @@ def synthetic(
     cv: float = 1.0,
     period_s: float = 86_400.0,
     peak_to_trough: float = 4.0,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     seed: int = 0,
 ) -> list[TraceRequest]:
     """Seeded synthetic load; the same arguments always give the same list.

@@ -19,15 +19,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenmill.engine.step_work import StepWork, work_of
 from tokenmill.kv.events import KVEventEmitter
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.sim.fleet.cache import SeqBlocks, SimKV
+from tokenmill.step_work import StepWork, work_of
 
 
 @dataclass(slots=True, frozen=True)
 class WorkerConfig:
     num_blocks: int
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
 

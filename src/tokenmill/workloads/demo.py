@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.bench.prompt_synth import HashBlockSynth, RequestSpec, TokenSpace
+from tokenmill.workloads.prompt_synth import HashBlockSynth, RequestSpec, TokenSpace
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 _WORDS = ("revenue margin liquidity covenant exposure hedge counterparty default spread tranche collateral "
