@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.engine_bench import EngineBenchConfig, make_workload, run_engine_bench
-from tokenmill.bench.report import decode_flops, decode_weight_bytes, expected_experts_touched, write_json
+from tokenmill.bench.engine.engine_bench import EngineBenchConfig, make_workload, run_engine_bench
+from tokenmill.bench.engine.report import decode_flops, decode_weight_bytes, expected_experts_touched, write_json
 from tokenmill.cli import main
 from tokenmill.textgen.model_config import load_model_config
 

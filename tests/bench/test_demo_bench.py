@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.demo_bench import add_arguments
-from tokenmill.bench.demo_report import simulate_run
+from tokenmill.bench.demo.demo_bench import add_arguments
+from tokenmill.bench.demo.demo_report import simulate_run
 from tokenmill.cli import main
 from tokenmill.textgen.tokenizer import Tokenizer
 from tokenmill.workloads.demo import scenario_specs

@@ -12,8 +12,16 @@ from typing import Any
 
 import pytest
 
-from tokenmill.bench.disagg_bench import AGGREGATED, DISAGGREGATED, LONG, SHORT, Mix, build_workload, expected_workers
-from tokenmill.bench.serve_observe import count_server_events, decisions_delta, parse_decisions
+from tokenmill.bench.harness.serve_observe import count_server_events, decisions_delta, parse_decisions
+from tokenmill.bench.kv.disagg_bench import (
+    AGGREGATED,
+    DISAGGREGATED,
+    LONG,
+    SHORT,
+    Mix,
+    build_workload,
+    expected_workers,
+)
 from tokenmill.cli import main
 
 NUM_REQUESTS, LONG_PROMPT, SHORT_PROMPT, OUTPUT_LEN = 10, 96, 16, 6

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench import engines_bench
-from tokenmill.bench.engines_report import Goal, comparison_report, complete, run_outcome
-from tokenmill.bench.engines_sides import SERVE, VLLM_ALONE, EnginesConfig
-from tokenmill.bench.loadgen import OK, TIMEOUT, RequestRecord
+from tokenmill.bench.engines import engines_bench
+from tokenmill.bench.engines.engines_report import Goal, comparison_report, complete, run_outcome
+from tokenmill.bench.engines.engines_sides import SERVE, VLLM_ALONE, EnginesConfig
+from tokenmill.bench.harness.loadgen import OK, TIMEOUT, RequestRecord
 from tokenmill.cli import main
 from tokenmill.workloads.prompt_synth import SyntheticShape, corpus_requests
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.frontend_procs import descendants
+from tokenmill.bench.harness.frontend_procs import descendants
 from tokenmill.cli import main
 
 WORKERS, EVENTS, RATE, LATENCY_S = 4, 300, 2000, 0.25

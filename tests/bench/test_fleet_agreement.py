@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench import fleet_agreement
+from tokenmill.bench.fleet import fleet_agreement
 from tokenmill.datasets import MOONCAKE_TRACE, data_file
 
 pytestmark = pytest.mark.solo  # live timing against modelled time: run alone

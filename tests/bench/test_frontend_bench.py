@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from tokenmill.bench import frontend_procs as procs
-from tokenmill.bench.frontend_bench import bodies
-from tokenmill.bench.frontend_report import TARGETS, LoadResult, target_checks
-from tokenmill.bench.frontend_wrk import lua_long_string, lua_script, parse_result
+from tokenmill.bench.harness import frontend_procs as procs
+from tokenmill.bench.serving.frontend_bench import bodies
+from tokenmill.bench.serving.frontend_report import TARGETS, LoadResult, target_checks
+from tokenmill.bench.serving.frontend_wrk import lua_long_string, lua_script, parse_result
 
 GOOD_LINE = ('TM_RESULT {"requests": 1200, "duration_us": 2000000, "bytes": 480000, "p50_us": 1500.0, '
              '"p90_us": 2500.5, "p99_us": 9000.0, "mean_us": 1800.2, "max_us": 12000.0, '

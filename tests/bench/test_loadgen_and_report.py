@@ -7,10 +7,10 @@ import json
 import httpx
 import pytest
 
-from tokenmill.bench import loadgen
-from tokenmill.bench.loadgen import RequestRecord
-from tokenmill.bench.serve_report import TOP_LEVEL_KEYS, report_json
-from tokenmill.bench.serve_stats import SLO, distribution_ms, summarize, tpot_s
+from tokenmill.bench.harness import loadgen
+from tokenmill.bench.harness.loadgen import RequestRecord
+from tokenmill.bench.harness.serve_report import TOP_LEVEL_KEYS, report_json
+from tokenmill.bench.harness.serve_stats import SLO, distribution_ms, summarize, tpot_s
 from tokenmill.cli import main
 from tokenmill.workloads.prompt_synth import RequestSpec
 
@@ -138,8 +138,8 @@ def test_bad_flags_and_unreachable_servers_exit_2(flags: list[str], message: str
 
 
 def test_engine_workload_is_bench_engines_own(tiny_dense, tmp_path, caplog: pytest.LogCaptureFixture) -> None:
-    from tokenmill.bench.engine_bench import EngineBenchConfig, make_workload
-    from tokenmill.bench.engine_compare import engine_workload_specs
+    from tokenmill.bench.engine.engine_bench import EngineBenchConfig, make_workload
+    from tokenmill.bench.serving.engine_compare import engine_workload_specs
     from tokenmill.textgen.tokenizer import Tokenizer
 
     lengths = {"num_requests": 5, "min_input": 8, "max_input": 30, "min_output": 2, "max_output": 9, "seed": 4}

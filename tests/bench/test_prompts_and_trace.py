@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.trace_replay import TraceFit, read_trace, trace_requests
+from tokenmill.bench.harness.trace_replay import TraceFit, read_trace, trace_requests
 from tokenmill.datasets import MOONCAKE_TRACE, data_file
 from tokenmill.workloads.prompt_synth import (
     HashBlockSynth,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench.live_processes import live_pids
-from tokenmill.bench.router_replay import PolicyResult, reusable_fraction
+from tokenmill.bench.routing.router_replay import PolicyResult, reusable_fraction
 from tokenmill.cli import main
 
 GROUPS, ROUNDS = 3, 4  # records cycle g0 g1 g2 g0 …: with 2 workers, round-robin splits every group
@@ -44,7 +44,7 @@ def test_kv_computes_no_more_prefill_than_round_robin(tiny_dense: Path, tmp_path
     rc, report = _replay(tiny_dense, tmp_path)
     assert rc == 0
     assert not _our_processes(tiny_dense)  # every server and worker was stopped
-    assert report["schema"] == "tokenmill.bench.router_replay"
+    assert report["schema"] == "tokenmill.bench.routing.router_replay"
     assert set(report["policies"]) == {"kv", "round-robin"}
     total_records = GROUPS * ROUNDS
     for result in report["policies"].values():

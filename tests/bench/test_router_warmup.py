@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench.live_processes import live_pids
-from tokenmill.bench.router_warmup_probe import WarmupRun
+from tokenmill.bench.routing.router_warmup_probe import WarmupRun
 from tokenmill.cli import main
 
 BLOCKS = 4000  # 2 workers x 125 prompts x 16 blocks: the fill lands on whole prompts exactly

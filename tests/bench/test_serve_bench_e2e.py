@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.serving.conftest import Server, start_server, stop_server
-from tokenmill.bench.serve_report import TOP_LEVEL_KEYS
+from tokenmill.bench.harness.serve_report import TOP_LEVEL_KEYS
 from tokenmill.cli import main
 from tokenmill.datasets import MOONCAKE_TRACE, data_file
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tokenmill.bench.serve_process import ServeProcess, start_serve, stop
+from tokenmill.bench.harness.serve_process import ServeProcess, start_serve, stop
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.textgen.sampling import SamplingParams

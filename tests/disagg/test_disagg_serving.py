@@ -27,7 +27,7 @@ from tests.disagg.conftest import (
     signal_worker,
     wait_for,
 )
-from tokenmill.bench.serve_process import ServeProcess
+from tokenmill.bench.harness.serve_process import ServeProcess
 
 REMOTE = 'tokenmill_disagg_decisions_total{decision="remote",reason="long_uncached_prompt"}'
 SHORT = 'tokenmill_disagg_decisions_total{decision="local",reason="short_uncached_prompt"}'

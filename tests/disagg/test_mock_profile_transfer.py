@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.disagg.conftest import assert_idle, complete_all, metrics, mixed_prompts, wait_for
 from tests.engine.helpers import GREEDY, make_engine
-from tokenmill.bench.serve_process import ServeProcess
+from tokenmill.bench.harness.serve_process import ServeProcess
 from tokenmill.engine.async_engine import AsyncLLMEngine, KVImport
 from tokenmill.textgen.outputs import FINISH_HANDOFF
 from tokenmill.worker.kv_transfer import KVTransferService

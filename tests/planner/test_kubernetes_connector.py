@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from kubernetes import client
 
-from tokenmill.bench.serve_process import free_port
+from tokenmill.bench.harness.serve_process import free_port
 from tokenmill.planner.kubernetes_connector import KubernetesConnector
 
 NAMESPACE = "tokenmill"

@@ -159,7 +159,7 @@ def test_the_oracle_and_the_opening_fleet_know_the_bursts_ahead() -> None:
 def test_bench_planner_hands_the_disaggregated_fleet_its_flags() -> None:
     import argparse
 
-    from tokenmill.bench.planner_bench import _args_for, add_arguments
+    from tokenmill.bench.fleet.planner_bench import _args_for, add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -9,7 +9,7 @@ import httpx
 import uvloop
 
 from tests.runtime.loopback_server import LoopbackServer
-from tokenmill.bench.serve_process import free_port
+from tokenmill.bench.harness.serve_process import free_port
 from tokenmill.runtime.etcd_discovery import EtcdDiscovery, parse_etcd_url
 
 

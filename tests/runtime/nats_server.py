@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 from tests.runtime.loopback_server import LoopbackServer
-from tokenmill.bench.serve_process import free_port
+from tokenmill.bench.harness.serve_process import free_port
 
 
 class NatsServer(LoopbackServer):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.serve_process import ServeProcess as Server
-from tokenmill.bench.serve_process import start_serve, stop
+from tokenmill.bench.harness.serve_process import ServeProcess as Server
+from tokenmill.bench.harness.serve_process import start_serve, stop
 from tokenmill.runtime.netns import Hosts
 
 __all__ = ["Server", "start_server", "stop_server"]

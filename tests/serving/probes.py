@@ -10,7 +10,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.bench.serve_process import ServeProcess as Server
+from tokenmill.bench.harness.serve_process import ServeProcess as Server
 
 T = TypeVar("T")
 

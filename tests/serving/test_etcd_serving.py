@@ -16,7 +16,7 @@ import pytest
 
 from tests.runtime.etcd_server import EtcdServer, registered
 from tests.serving.probes import answers, metric, wait
-from tokenmill.bench.serve_process import free_port
+from tokenmill.bench.harness.serve_process import free_port
 
 MOCK = ("--runner", "mock", "--mock-step-time", "0.002,0,0,0")
 

@@ -14,7 +14,7 @@ from tests.runtime.etcd_server import registered
 from tests.serving.conftest import start_server, stop_server
 from tests.serving.multi_host import fleet
 from tests.serving.probes import answers, metric, wait
-from tokenmill.bench.serve_process import free_port
+from tokenmill.bench.harness.serve_process import free_port
 from tokenmill.runtime.netns import Hosts
 from tokenmill.transfer.memory import remove_shared_files_of
 

@@ -16,7 +16,7 @@ import pytest
 from tests.runtime.nats_server import NatsServer
 from tests.serving.conftest import start_server, stop_server
 from tests.serving.probes import answers, metric, wait
-from tokenmill.bench.serve_process import free_port
+from tokenmill.bench.harness.serve_process import free_port
 from tokenmill.runtime.event_plane import kv_subject, parse_event_plane
 
 MOCK = ("--runner", "mock", "--mock-step-time", "0.002,0,0,0")

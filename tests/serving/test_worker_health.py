@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from tests.serving.probes import wait
-from tokenmill.bench.serve_process import free_port
+from tokenmill.bench.harness.serve_process import free_port
 from tokenmill.worker.health import HealthServer
 
 

@@ -11,7 +11,7 @@ import pytest
 import xxhash
 
 from tokenmill import datasets
-from tokenmill.bench.trace_replay import TraceFit, read_trace, trace_requests
+from tokenmill.bench.harness.trace_replay import TraceFit, read_trace, trace_requests
 from tokenmill.kv.hashing import block_hashes, chain_hash
 from tokenmill.sim.fleet import arrivals, block_chains
 from tokenmill.sim.fleet.arrivals import TraceRequest, load_trace

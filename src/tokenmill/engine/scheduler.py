@@ -1,12 +1,9 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""The engine's scheduler: continuous batching with chunked prefill and preemption by recompute.
 
-Each step has a token budget. Running decodes are scheduled first (one token
-each), then running prefills continue, then waiting requests are admitted, each
-prefill taking at most what is left of the budget (so a long prompt is cut into
-chunks and never stalls decodes for more than one chunk). When the pool cannot
-hold the next tokens, the latest-arrived request not yet scheduled this step is
-preempted: its blocks are freed (they stay in the prefix cache) and it returns to
-the front of the queue to be recomputed.
+The rules (decodes first, then running prefills, then admissions within a token budget; the
+latest-admitted unscheduled request preempted when the pool is short) are `tokenmill.step_policy`,
+which the fleet simulator's workers follow too. This module holds the engine's queues, finishes
+and aborts requests, and records what a step computed (`advance`).
 """
 from __future__ import annotations
 
@@ -14,7 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.kv.cache_manager import KVCacheManager
+from tokenmill.kv.cache_manager import CachedPrefix, KVCacheManager
+from tokenmill.step_policy import StepLimits, plan_step
 from tokenmill.textgen.outputs import FINISH_ABORT
 
 
@@ -63,12 +61,57 @@ class SchedulerOutput:
         return bool(self.seqs)
 
 
+class _RequestBook:
+    """The step policy's view of requests and the engine's KV cache manager."""
+
+    __slots__ = ("kv",)
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+
+    def known(self, request: Request) -> int:
+        return request.num_tokens
+
+    def computed(self, request: Request) -> int:
+        return request.num_computed_tokens
+
+    def is_running(self, request: Request) -> bool:
+        return request.status is RequestStatus.RUNNING
+
+    def grow(self, request: Request, num_tokens: int) -> bool:
+        return self.kv.allocate(request.request_id, num_tokens)
+
+    def cached_prefix(self, request: Request) -> tuple[int, CachedPrefix]:
+        cached = self.kv.find_cached_prefix(request.request_id, request.token_ids, request.extra_key)
+        return cached.num_tokens, cached
+
+    def admit(self, request: Request, hits: CachedPrefix, num_tokens: int) -> int | None:
+        if not self.kv.allocate(request.request_id, num_tokens, hits):
+            return None
+        cached = hits.num_tokens  # after allocating: less the tier blocks that failed to load
+        if not request.admitted:
+            request.num_cached_tokens, request.admitted = cached, True
+        request.num_computed_tokens = cached
+        request.status = RequestStatus.RUNNING
+        return cached
+
+    def preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+
+
 class Scheduler:
+    """The engine's queues over its KV cache manager; each step planned by `step_policy`."""
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._book = _RequestBook(kv)
+        self._limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -90,54 +133,9 @@ class Scheduler:
         self.finish(request, FINISH_ABORT)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decodes + prefills:
-            if request.status is not RequestStatus.RUNNING or budget == 0:
-                continue  # preempted earlier in this loop
-            budget -= self._schedule_running(request, budget, out)
-        if not out.preempted:
-            self._admit_waiting(budget, out)
-        return out
-
-    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
-        while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
-            scheduled = {s.request.request_id for s in out.seqs}  # only here: per request it made steps O(batch²)
-            victims = [r for r in self.running if r.request_id not in scheduled and r is not request]
-            victim = victims[-1] if victims else request
-            self._preempt(victim, out)
-            if victim is request:
-                return 0
-        out.seqs.append(ScheduledSeq(request, request.num_computed_tokens, n))
-        return n
-
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request.request_id, request.token_ids, request.extra_key)
-            n = min(request.num_tokens - cached.num_tokens, budget)
-            if not self.kv.allocate(request.request_id, cached.num_tokens + n, cached):
-                break
-            self.waiting.popleft()
-            if not request.admitted:
-                request.num_cached_tokens, request.admitted = cached.num_tokens, True
-            request.num_computed_tokens = cached.num_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.seqs.append(ScheduledSeq(request, cached.num_tokens, n))
-            budget -= n
-
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.running.remove(request)
-        self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
-        out.preempted.append(request.request_id)
+        step = plan_step(self._book, self.waiting, self.running, self._limits)
+        return SchedulerOutput([ScheduledSeq(request, start, n) for request, start, n in step.chunks],
+                               [request.request_id for request in step.preempted])
 
     def advance(self, out: SchedulerOutput) -> None:
         """Record what the step computed; filled blocks enter the prefix cache."""

@@ -1,11 +1,12 @@
-"""One simulated worker: the engine's scheduling rules over a `SimKV`, one step at a time.
+"""One simulated worker: the engine's scheduling policy over a `SimKV`, one step at a time.
 
-`schedule` mirrors `engine.scheduler.Scheduler.schedule` rule for rule, so a simulated worker
-batches exactly as a live (mock) worker does: running decodes first (one token each), then
-running prefills, then waiting requests are admitted while `max_num_seqs` and the step's token
-budget allow, each prefill taking at most what is left of the budget (chunked prefill). When
-the pool cannot hold the next tokens, the latest-admitted request not yet scheduled this step
-is preempted (its blocks freed, still cached) and goes back to the front of the queue.
+`schedule` is `tokenmill.step_policy.plan_step`, the policy the engine's `Scheduler` follows, so
+a simulated worker batches exactly as a live (mock) worker does: running decodes first (one
+token each), then running prefills, then waiting requests admitted while `max_num_seqs` and the
+step's token budget allow (chunked prefill); when the pool is short, the latest-admitted request
+not yet scheduled this step is preempted (its blocks freed, still cached) and goes back to the
+front of the queue. Only the representation differs: sequences without token ids, blocks keyed
+by trace hashes (`cache.py`).
 
 Disaggregation: a `prefill_only` sequence stops after its first token and its blocks are
 *held* until its decode worker has pulled them (`release`); the decode side admits a pulled
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from tokenmill.kv.events import KVEventEmitter
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.sim.fleet.cache import SeqBlocks, SimKV
+from tokenmill.step_policy import StepLimits, plan_step
 from tokenmill.step_work import StepWork, work_of
 
 
@@ -87,12 +89,53 @@ class Batch:
         return work_of(self.chunks)
 
 
+class _SeqBook:
+    """The step policy's view of simulated sequences and a `SimKV`."""
+
+    __slots__ = ("kv",)
+
+    def __init__(self, kv: SimKV) -> None:
+        self.kv = kv
+
+    def known(self, seq: SimSeq) -> int:
+        return seq.num_tokens
+
+    def computed(self, seq: SimSeq) -> int:
+        return seq.computed
+
+    def is_running(self, seq: SimSeq) -> bool:
+        return seq.running
+
+    def grow(self, seq: SimSeq, num_tokens: int) -> bool:
+        return self.kv.allocate(seq.kv, num_tokens)
+
+    def cached_prefix(self, seq: SimSeq) -> tuple[int, list[int]]:
+        hits = self.kv.cached_prefix(seq.kv, seq.num_tokens)
+        return len(hits) * self.kv.block_size, hits
+
+    def admit(self, seq: SimSeq, hits: list[int], num_tokens: int) -> int | None:
+        if not self.kv.allocate(seq.kv, num_tokens, hits):
+            return None
+        cached = len(hits) * self.kv.block_size
+        if not seq.admitted:
+            seq.cached_tokens, seq.admitted = cached, True
+        seq.computed, seq.running = cached, True
+        return cached
+
+    def preempt(self, seq: SimSeq) -> None:
+        self.kv.free(seq.kv)
+        seq.computed, seq.running = 0, False
+        seq.preemptions += 1
+
+
 class SimWorker:
     def __init__(self, worker_id: str, role: str, config: WorkerConfig, events: KVEventEmitter | None = None) -> None:
         self.worker_id = worker_id
         self.role = role  # "agg", "prefill" or "decode"
         self.config = config
         self.kv = SimKV(config.num_blocks, config.block_size, events)
+        self._book = _SeqBook(self.kv)
+        self._limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens)
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
         self.held: dict[str, SimSeq] = {}
@@ -104,56 +147,11 @@ class SimWorker:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ---- scheduling (engine.scheduler.Scheduler, rule for rule) ------------------------------
+    # ---- scheduling: the engine's policy (`tokenmill.step_policy`) ------------------------------
 
     def schedule(self) -> Batch:
-        out = Batch()
-        budget = self.config.max_num_batched_tokens
-        decodes = [s for s in self.running if s.num_tokens - s.computed == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.computed > 1]
-        for seq in decodes + prefills:
-            if not seq.running or budget == 0:
-                continue  # preempted earlier in this loop
-            budget -= self._schedule_running(seq, budget, out)
-        if not out.preempted:
-            self._admit_waiting(budget, out)
-        return out
-
-    def _schedule_running(self, seq: SimSeq, budget: int, out: Batch) -> int:
-        n = min(seq.num_tokens - seq.computed, budget)
-        while not self.kv.allocate(seq.kv, seq.computed + n):
-            scheduled = {id(c.seq) for c in out.chunks}  # only here: per sequence it made steps O(batch²)
-            victims = [s for s in self.running if id(s) not in scheduled and s is not seq]
-            victim = victims[-1] if victims else seq
-            self._preempt(victim, out)
-            if victim is seq:
-                return 0
-        out.chunks.append(Chunk(seq, seq.computed, n))
-        return n
-
-    def _admit_waiting(self, budget: int, out: Batch) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            hits = self.kv.cached_prefix(seq.kv, seq.num_tokens)
-            cached = len(hits) * self.config.block_size
-            n = min(seq.num_tokens - cached, budget)
-            if not self.kv.allocate(seq.kv, cached + n, hits):
-                break
-            self.waiting.popleft()
-            if not seq.admitted:
-                seq.cached_tokens, seq.admitted = cached, True
-            seq.computed, seq.running = cached, True
-            self.running.append(seq)
-            out.chunks.append(Chunk(seq, cached, n))
-            budget -= n
-
-    def _preempt(self, seq: SimSeq, out: Batch) -> None:
-        self.running.remove(seq)
-        self.kv.free(seq.kv)
-        seq.computed, seq.running = 0, False
-        seq.preemptions += 1
-        self.waiting.appendleft(seq)
-        out.preempted += 1
+        step = plan_step(self._book, self.waiting, self.running, self._limits)
+        return Batch([Chunk(seq, start, n) for seq, start, n in step.chunks], len(step.preempted))
 
     # ---- the end of a step ------------------------------------------------------------------
 

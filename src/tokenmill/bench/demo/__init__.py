@@ -1,0 +1,1 @@
+"""The dashboard's scenarios under each toggle state."""

@@ -1,0 +1,1 @@
+"""The KV event plane: synthetic publishers over NATS or ZeroMQ into a consumer."""

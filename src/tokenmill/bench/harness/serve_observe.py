@@ -1,0 +1,102 @@
+"""What `tokenmill bench disagg` observes of a running deployment besides its responses: CPU
+seconds per process from /proc (the box may be shared, so the report says what else ran), the
+disaggregation decision counters from /metrics, and worker drops and migrations from the serve
+log (no counter exports those)."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import httpx
+
+    from tokenmill.bench.harness.serve_process import ServeProcess
+
+log = logging.getLogger(__name__)
+
+WORKER_DROP_RE = re.compile(r"WARNING \S+: worker \S+ left \(")  # frontend.worker_pool's drop warning
+MIGRATION_TEXT = "migrating a request off worker"  # frontend.distributed_backend's warning
+DECISIONS_RE = re.compile(r'^tokenmill_disagg_decisions_total\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
+LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+HOST_KEY, CLIENT_KEY, FRONTEND_KEY = "host", "client", "frontend"  # non-worker keys of a CPU snapshot
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process, from /proc (None elsewhere or once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # fields[0] is the state (field 3 of stat); utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def host_busy_seconds() -> float | None:
+    """CPU seconds the whole host has spent busy (all cores, every process), from /proc/stat."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    guest = sum(ticks[8:10])  # guest time is already counted in user/nice
+    return (sum(ticks) - idle - guest) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(server: ServeProcess) -> dict[str, float | None]:
+    """CPU seconds so far of each worker ("id (role)"), the frontend, this load generator ("client")
+    and the whole host ("host"): the box is shared, so the report says what else ran."""
+    snap: dict[str, float | None] = {HOST_KEY: host_busy_seconds(), CLIENT_KEY: cpu_seconds(os.getpid()),
+                                     FRONTEND_KEY: cpu_seconds(server.process.pid)}
+    for info in server.registry():
+        snap[f"{info.get('worker_id', info['pid'])} ({info.get('role', '?')})"] = cpu_seconds(int(info["pid"]))
+    return snap
+
+
+def parse_decisions(metrics_text: str) -> dict[tuple[str, str], float]:
+    """(decision, reason) → count from Prometheus text; empty when the counter is not exported."""
+    counts: dict[tuple[str, str], float] = {}
+    for line in metrics_text.splitlines():
+        match = DECISIONS_RE.match(line)
+        if match is None:
+            continue
+        labels = dict(LABEL_RE.findall(match["labels"]))
+        key = (labels.get("decision", ""), labels.get("reason", ""))
+        counts[key] = counts.get(key, 0.0) + float(match["value"])
+    return counts
+
+
+async def fetch_decisions(client: httpx.AsyncClient, url: str) -> dict[tuple[str, str], float] | None:
+    """The decision counters now; None when /metrics does not answer or has none."""
+    import httpx
+
+    try:
+        resp = await client.get(f"{url}/metrics", timeout=10.0)
+    except httpx.HTTPError as exc:
+        log.warning("GET /metrics failed: %s", exc)
+        return None
+    counts = parse_decisions(resp.text) if resp.status_code == 200 else {}
+    return counts or None
+
+
+def decisions_delta(before: dict[tuple[str, str], float] | None,
+                    after: dict[tuple[str, str], float] | None) -> list[dict[str, Any]] | None:
+    """What the measured run added (the warm-up's decisions are left out)."""
+    if after is None:
+        return None
+    before = before or {}
+    return [{"decision": decision, "reason": reason, "count": int(round(value - before.get((decision, reason), 0)))}
+            for (decision, reason), value in sorted(after.items())]
+
+
+def count_server_events(log_path: Path) -> dict[str, int] | None:
+    """Workers the frontend dropped (deregistered, heartbeat timeout, restarted) and the streams it
+    migrated, warm-up included, from the serve log's warnings: no counter exports them, and a drop
+    makes the other worker recompute the migrated prompts, which inflates that arm's latencies."""
+    try:
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return {"worker_drops": len(WORKER_DROP_RE.findall(text)), "migrations": text.count(MIGRATION_TEXT)}

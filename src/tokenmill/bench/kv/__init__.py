@@ -1,0 +1,1 @@
+"""Moving and keeping KV: disaggregated serving, transfers between processes, the KV tiers."""

@@ -1,0 +1,1 @@
+"""Routing: the router's hot paths, trace replay under each policy, shared-prefix routing, a fresh frontend's warm-up."""
