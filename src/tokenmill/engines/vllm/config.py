@@ -122,7 +122,7 @@ def engine_arg_argv(parser: argparse.ArgumentParser, pairs: list[str]) -> list[s
 
 def vllm_dtype(dtype: str) -> str:
     """tokenmill's `--dtype auto` on a CPU host without AMX is float32: vLLM-CPU's bf16 measured ~5x
-    slower than its fp32 on an AVX-512 EPYC (10.5 against 50-56 output tok/s on SmolLM2-135M);
+    slower than its fp32 on an AVX2-only EPYC (10.5 against 50-56 output tok/s on SmolLM2-135M);
     otherwise the flag as given (the checkpoint's dtype for auto)."""
     if dtype != "auto" or _has_cuda() or _has_amx():
         return dtype
