@@ -31,6 +31,7 @@ def _imported_modules(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # a module, if it is one
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
     return names
@@ -44,6 +45,31 @@ def test_no_module_imports_across_a_forbidden_arrow(package: str) -> None:
                  if any(name == f"tokenmill.{other}" or name.startswith(f"tokenmill.{other}.")
                         for other in FORBIDDEN[package])]
     assert not crossings
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_two_modules_of_one_package_import_each_other() -> None:
+    """No circle inside a package, however long and whatever the import's kind (at module level, in
+    a function, for type checking only): each package reads as layers."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    imports = {name: {m for m in _imported_modules(path) if m in modules and m != name}
+               for name, path in modules.items()}
+    circles = []
+    for name in modules:
+        package = name.rpartition(".")[0]
+        reached, frontier = set(), [m for m in imports[name] if m.rpartition(".")[0] == package]
+        while frontier:
+            module = frontier.pop()
+            if module not in reached:
+                reached.add(module)
+                frontier += [m for m in imports[module] if m.rpartition(".")[0] == package]
+        if name in reached:
+            circles.append(name)
+    assert not circles
 
 
 def test_the_frontend_process_loads_no_torch_and_no_engine() -> None:

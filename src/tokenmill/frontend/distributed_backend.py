@@ -21,13 +21,13 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.frontend.backend import BackendUnavailable, Overloaded
 from tokenmill.frontend.inbox import StreamInbox
 from tokenmill.frontend.metrics import tier_gauges
 from tokenmill.frontend.prefill import RemotePrefill
+from tokenmill.frontend.request_progress import RequestProgress
 from tokenmill.frontend.worker_pool import LOST, WorkerConnection, WorkerPool, next_message
 from tokenmill.kv.hashing import block_hashes
 from tokenmill.router.decision import RoutingRequest
@@ -40,21 +40,6 @@ from tokenmill.textgen.sampling import SamplingParams
 from tokenmill.textgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Progress:
-    """What the client has received so far, across migrations."""
-    prompt: list[int]
-    params: SamplingParams
-    generated: list[int] = field(default_factory=list)
-    num_cached_tokens: int | None = None
-    text_pending: int = 0  # trailing generated tokens whose text the client has not received
-    migrations: int = 0
-    finished: bool = False
-    cached_tokens_at_decode: int = 0  # the chosen decode worker's prefix hit, per its router
-    kv_handle: dict[str, Any] | None = None  # from a remote prefill, for the next decode attempt
-    follow: str | None = None  # a request whose worker this one should share (the same prompt)
 
 
 class DistributedBackend:
@@ -125,7 +110,7 @@ class DistributedBackend:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        deadline: float | None = None, follow: str | None = None) -> AsyncIterator[RequestOutput]:
-        progress = _Progress(list(prompt_token_ids), params, follow=follow)
+        progress = RequestProgress(list(prompt_token_ids), params, follow=follow)
         deadline = deadline or time.monotonic() + self.default_timeout_s
         excluded: set[str] = set()
         try:
@@ -152,7 +137,7 @@ class DistributedBackend:
         finally:
             self.prefill.discard(request_id)  # a handle no decode worker took: free its blocks now
 
-    def _wants_remote_prefill(self, progress: _Progress, decode_worker: str) -> bool:
+    def _wants_remote_prefill(self, progress: RequestProgress, decode_worker: str) -> bool:
         """Only a fresh request to a decode worker (an aggregated one, while workers are re-roled,
         takes no KV), and only when the policy sends its prompt to the prefill pool."""
         if progress.generated or progress.migrations or self.pool.connections[decode_worker].info.role == "agg":
@@ -178,7 +163,7 @@ class DistributedBackend:
             if counted:
                 self.local_prefills[worker] -= 1
 
-    def _pick(self, request_id: str, progress: _Progress, excluded: set[str]) -> WorkerConnection | None:
+    def _pick(self, request_id: str, progress: RequestProgress, excluded: set[str]) -> WorkerConnection | None:
         """The router's choice among live workers not yet tried; errors only before any output."""
         candidates = [w for w in self.pool.in_pool(prefill=False) if w not in excluded]
         if candidates:
@@ -200,7 +185,7 @@ class DistributedBackend:
             raise Overloaded(retry_after=1.0)
         raise BackendUnavailable("no worker is available")
 
-    async def _attempt(self, conn: WorkerConnection, request_id: str, progress: _Progress,
+    async def _attempt(self, conn: WorkerConnection, request_id: str, progress: RequestProgress,
                        deadline: float, excluded: set[str]) -> AsyncIterator[RequestOutput]:
         queue = conn.open_stream(request_id)
         worker_done = False  # the worker has ended this attempt itself; no abort needed
@@ -238,20 +223,20 @@ class DistributedBackend:
             if carried:  # refused, lost or cut before it answered: free the held KV now, not at its timeout
                 self.prefill.discard(request_id)
 
-    def _generate_message(self, request_id: str, progress: _Progress, deadline: float) -> dict:
+    def _generate_message(self, request_id: str, progress: RequestProgress, deadline: float) -> dict:
         handle, progress.kv_handle = progress.kv_handle, None  # one decode attempt may use it
         return p.generate_message(request_id, progress.prompt + progress.generated, progress.params, None,
                                   len(progress.generated), max(0.0, deadline - time.monotonic()),
                                   progress.text_pending, kv_handle=handle,
                                   max_tokens=progress.params.max_tokens - len(progress.generated))
 
-    def _note_migration(self, conn: WorkerConnection, progress: _Progress, excluded: set[str]) -> None:
+    def _note_migration(self, conn: WorkerConnection, progress: RequestProgress, excluded: set[str]) -> None:
         progress.migrations += 1
         self.migrations_total += 1
         excluded.add(conn.worker_id)
         log.warning("migrating a request off worker %s after %d tokens", conn.worker_id, len(progress.generated))
 
-    def _raise_for_error(self, msg: dict, conn: WorkerConnection, progress: _Progress, excluded: set[str]) -> None:
+    def _raise_for_error(self, msg: dict, conn: WorkerConnection, progress: RequestProgress, excluded: set[str]) -> None:
         if msg.get("code") == p.OVERLOADED:  # refused (full, or draining): the next worker recomputes
             excluded.add(conn.worker_id)
             return
@@ -260,7 +245,7 @@ class DistributedBackend:
         self._note_migration(conn, progress, excluded)
 
     @staticmethod
-    def _account(out: RequestOutput, progress: _Progress) -> RequestOutput:
+    def _account(out: RequestOutput, progress: RequestProgress) -> RequestOutput:
         """Report counts relative to the client's request, not to this attempt (`out` is ours
         to change: it was just decoded from the wire)."""
         if progress.num_cached_tokens is None:
@@ -273,7 +258,7 @@ class DistributedBackend:
         return out
 
     @staticmethod
-    def _final(request_id: str, progress: _Progress, reason: str) -> RequestOutput:
+    def _final(request_id: str, progress: RequestProgress, reason: str) -> RequestOutput:
         progress.finished = True
         return RequestOutput(request_id, [], "", True, reason, len(progress.prompt), len(progress.generated),
                              progress.num_cached_tokens or 0)

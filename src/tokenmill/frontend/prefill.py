@@ -28,7 +28,7 @@ from tokenmill.runtime import protocol as p
 from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_HANDOFF, RequestOutput
 
 if TYPE_CHECKING:
-    from tokenmill.frontend.distributed_backend import _Progress
+    from tokenmill.frontend.request_progress import RequestProgress
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class RemotePrefill:
         self.deployed = self.deployed or bool(workers)
         return [self.in_flight[w] for w in workers]
 
-    async def run(self, request_id: str, progress: _Progress, deadline: float) -> AsyncIterator[RequestOutput]:
+    async def run(self, request_id: str, progress: RequestProgress, deadline: float) -> AsyncIterator[RequestOutput]:
         tried: set[str] = set()
         for _ in range(self.policy.config.max_prefill_attempts):
             conn = self._pick(request_id, progress, tried)
@@ -74,7 +74,7 @@ class RemotePrefill:
         if conn is not None:
             conn.send({"type": p.ABORT, "request_id": request_id})
 
-    def _pick(self, request_id: str, progress: _Progress, tried: set[str]) -> WorkerConnection | None:
+    def _pick(self, request_id: str, progress: RequestProgress, tried: set[str]) -> WorkerConnection | None:
         candidates = [w for w in self.pool.in_pool(prefill=True) if w not in tried]
         if not candidates:
             return None
@@ -85,7 +85,7 @@ class RemotePrefill:
         except NoWorkerAvailable:
             return None
 
-    async def _attempt(self, conn: WorkerConnection, request_id: str, progress: _Progress,
+    async def _attempt(self, conn: WorkerConnection, request_id: str, progress: RequestProgress,
                        deadline: float) -> RequestOutput | str:
         """The first token (its handle kept on `progress`), or _RETRY to try another worker."""
         worker = conn.worker_id
@@ -108,7 +108,7 @@ class RemotePrefill:
             if not answered and worker in self.pool.connections:
                 conn.send({"type": p.ABORT, "request_id": request_id})
 
-    def _result(self, worker: str, request_id: str, msg: dict[str, Any], progress: _Progress) -> RequestOutput | str:
+    def _result(self, worker: str, request_id: str, msg: dict[str, Any], progress: RequestProgress) -> RequestOutput | str:
         if msg is LOST or msg["type"] == p.ERROR and msg.get("code") in (p.INTERNAL, p.OVERLOADED):
             log.warning("prefill worker %s could not prefill %s: %s", worker, request_id, msg.get("message", "lost"))
             return _RETRY

@@ -12,24 +12,13 @@ import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
+from tokenmill.runtime.worker_info import WorkerInfo
+
 DEFAULT_TTL_S = 1.5
-
-
-@dataclass(slots=True)
-class WorkerInfo:
-    worker_id: str
-    address: str  # where its request socket listens (ipc:// or tcp://)
-    role: str = "agg"
-    model: str = ""
-    pid: int = 0
-    host: str = ""
-    incarnation: str = ""  # changes whenever the worker restarts
-    heartbeat_at: float = 0.0  # time.time() of the last heartbeat
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 class Discovery(Protocol):

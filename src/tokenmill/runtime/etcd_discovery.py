@@ -28,7 +28,7 @@ import aetcd
 import aetcd.exceptions
 import grpc
 
-from tokenmill.runtime.discovery import WorkerInfo
+from tokenmill.runtime.worker_info import WorkerInfo
 
 log = logging.getLogger(__name__)
 

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+from pathlib import Path
 
 import numpy as np
 
-from tokenmill.sim.cli import dump_json
 from tokenmill.sim.deploy import estimate, make_context
 from tokenmill.sim.parallel import Parallel
 from tokenmill.sim.pareto import best_under_sla, pareto_mask, usd_per_million_tokens
@@ -137,3 +138,11 @@ def calibrate_cmd(args: argparse.Namespace) -> int:
     path = calibrate_local(args.out, quick=args.quick, model=args.model, threads=args.threads)
     print(f"wrote {path}")
     return 0
+
+
+def dump_json(obj: object, path: Path | None) -> str:
+    text = json.dumps(obj, indent=2)
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+    return text

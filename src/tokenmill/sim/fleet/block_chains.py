@@ -16,13 +16,10 @@ block_index)` as their local input, which no hash id (< 2**63) can produce.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from tokenmill.sim.fleet.arrivals import Rows
-
+from tokenmill.sim.fleet.trace_rows import Rows
 
 # ---------------------------------------------------------------------------------------------
 # Vectorised xxh3_64 of 16 bytes, and the chains

@@ -14,11 +14,11 @@ import numpy as np
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.sim.fleet.arrivals import (
     MOONCAKE_BLOCK_TOKENS,
-    Rows,
     TraceRequest,
     build_requests,
     check_positive_int,
 )
+from tokenmill.sim.fleet.trace_rows import Rows
 
 
 def synthetic(
