@@ -2,7 +2,7 @@
 tokens, who is admitted and who is preempted. The engine's `Scheduler` and the fleet simulator's
 `SimWorker` both call it, each over its own sequences and its own block pool (`StepBook`).
 
-    step = plan_step(book, waiting, running, StepLimits(max_num_seqs, max_num_batched_tokens))
+    step = plan_step(book, waiting, running, config)   # config: max_num_seqs, max_num_batched_tokens
     for seq, start, num_tokens in step.chunks: ...compute positions [start, start + num_tokens)...
     step.preempted                           # lost their blocks, now at the front of `waiting`
 
@@ -31,10 +31,15 @@ from typing import Any, Generic, Protocol, TypeVar
 S = TypeVar("S")
 
 
-@dataclass(slots=True, frozen=True)
-class StepLimits:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+class StepLimits(Protocol):
+    """A step's limits, read from the caller's own config (the engine's `SchedulerConfig`, the
+    simulator's `WorkerConfig`)."""
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def max_num_batched_tokens(self) -> int: ...
 
 
 @dataclass(slots=True)

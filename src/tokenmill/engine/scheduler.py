@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.kv.cache_manager import CachedPrefix, KVCacheManager
-from tokenmill.step_policy import StepLimits, plan_step
+from tokenmill.step_policy import plan_step
 from tokenmill.textgen.outputs import FINISH_ABORT
 
 
@@ -111,7 +111,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._book = _RequestBook(kv)
-        self._limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -133,7 +132,7 @@ class Scheduler:
         self.finish(request, FINISH_ABORT)
 
     def schedule(self) -> SchedulerOutput:
-        step = plan_step(self._book, self.waiting, self.running, self._limits)
+        step = plan_step(self._book, self.waiting, self.running, self.config)
         return SchedulerOutput([ScheduledSeq(request, start, n) for request, start, n in step.chunks],
                                [request.request_id for request in step.preempted])
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from tokenmill.kv.events import KVEventEmitter
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.sim.fleet.cache import SeqBlocks, SimKV
-from tokenmill.step_policy import StepLimits, plan_step
+from tokenmill.step_policy import plan_step
 from tokenmill.step_work import StepWork, work_of
 
 
@@ -135,7 +135,6 @@ class SimWorker:
         self.config = config
         self.kv = SimKV(config.num_blocks, config.block_size, events)
         self._book = _SeqBook(self.kv)
-        self._limits = StepLimits(config.max_num_seqs, config.max_num_batched_tokens)
         self.waiting: deque[SimSeq] = deque()
         self.running: list[SimSeq] = []
         self.held: dict[str, SimSeq] = {}
@@ -150,7 +149,7 @@ class SimWorker:
     # ---- scheduling: the engine's policy (`tokenmill.step_policy`) ------------------------------
 
     def schedule(self) -> Batch:
-        step = plan_step(self._book, self.waiting, self.running, self._limits)
+        step = plan_step(self._book, self.waiting, self.running, self.config)
         return Batch([Chunk(seq, start, n) for seq, start, n in step.chunks], len(step.preempted))
 
     # ---- the end of a step ------------------------------------------------------------------
