@@ -1,6 +1,7 @@
 """ARCHITECTURE.md's arrows that keep a frontend, router or planner host free of the engine (and so of
-torch), and benchmarks on top: frontend, runtime, router and planner import no `tokenmill.engine`; no
-product package imports `tokenmill.bench`; `tokenmill.textgen`, the request types they share with the
+torch), and benchmarks on top: api, fleet, runtime, router and planner import no `tokenmill.engine`; no
+product package imports `tokenmill.bench`; the HTTP surface (`api`) sits on the fleet client (`fleet`),
+never the other way; `tokenmill.textgen`, the request types they share with the
 engine, imports no other tokenmill package. Checked twice: statically over every module (lazy imports
 inside functions included) and by importing them all in a fresh interpreter."""
 from __future__ import annotations
@@ -15,11 +16,12 @@ import pytest
 import tokenmill
 
 PACKAGE = Path(tokenmill.__file__).parent
-FORBIDDEN = {"frontend": ("engine", "bench"), "runtime": ("engine", "bench"), "router": ("engine", "bench"),
+FORBIDDEN = {"api": ("engine", "bench"), "fleet": ("engine", "bench", "api"),
+             "runtime": ("engine", "bench"), "router": ("engine", "bench"),
              "planner": ("engine", "bench"),
-             "textgen": ("engine", "frontend", "router", "runtime", "worker", "kv", "sim", "planner", "bench",
+             "textgen": ("engine", "api", "fleet", "router", "runtime", "worker", "kv", "sim", "planner", "bench",
                          "transfer"),
-             "workloads": ("engine", "engines", "frontend", "router", "runtime", "worker", "planner", "bench",
+             "workloads": ("engine", "engines", "api", "fleet", "router", "runtime", "worker", "planner", "bench",
                            "transfer")}
 # benchmarks sit on top: no product package imports them
 FORBIDDEN.update({package: FORBIDDEN.get(package, ()) + ("bench",)
@@ -75,12 +77,29 @@ def test_no_two_modules_of_one_package_import_each_other() -> None:
 def test_the_frontend_process_loads_no_torch_and_no_engine() -> None:
     script = (
         "import importlib, pkgutil, sys, tokenmill\n"
-        "for package in ('frontend', 'runtime', 'router', 'textgen', 'planner', 'workloads'):\n"
+        "for package in ('api', 'fleet', 'runtime', 'router', 'textgen', 'planner', 'workloads'):\n"
         "    root = importlib.import_module(f'tokenmill.{package}')\n"
         "    for info in pkgutil.walk_packages(root.__path__, f'tokenmill.{package}.'):\n"
         "        importlib.import_module(info.name)\n"
-        "import tokenmill.frontend.frontend_cli\n"
+        "import tokenmill.api.frontend_cli, tokenmill.backend\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('tokenmill.engine')))\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# the stack-overhead benchmark runs the engine benchmark's workload in process and over HTTP
+CROSS_FAMILY = {("serving", "engine")}
+
+
+def test_a_benchmark_family_imports_only_the_harness_and_itself() -> None:
+    """`bench/<family>/` shares through `bench/harness/`, not through another family's module."""
+    crossings = []
+    for path in sorted((PACKAGE / "bench").glob("*/*.py")):
+        family = path.parent.name
+        for name in sorted(_imported_modules(path)):
+            parts = name.split(".")
+            if len(parts) > 2 and parts[:2] == ["tokenmill", "bench"] and parts[2] not in (family, "harness"):
+                if (family, parts[2]) not in CROSS_FAMILY:
+                    crossings.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert not crossings

@@ -20,7 +20,7 @@ SUBCOMMANDS: tuple[tuple[str, str, str], ...] = (
     ("generate", "tokenmill.engine.generate_cli", "generate text in-process with the embedded engine"),
     ("serve", "tokenmill.serve_cli", "serve the OpenAI API: one frontend and N worker processes"),
     ("worker", "tokenmill.worker.main", "run one worker process (for multi-host deployments)"),
-    ("frontend", "tokenmill.frontend.frontend_cli", "run the HTTP frontend alone, finding workers via discovery"),
+    ("frontend", "tokenmill.api.frontend_cli", "run the HTTP frontend alone, finding workers via discovery"),
     ("bench", "tokenmill.bench.cli", "benchmarks that print a table and write JSON"),
     ("sim", "tokenmill.sim.cli", "performance simulator and deployment search"),
     ("planner", "tokenmill.planner.cli", "SLA planner: backtest predictors, simulate, run against a deployment"),

@@ -15,11 +15,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from tokenmill.backend import Overloaded, tier_gauges
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.kv_tiers_wiring import tier_load
 from tokenmill.engine.llm_engine import EngineStats
-from tokenmill.frontend.backend import Overloaded
-from tokenmill.frontend.metrics import tier_gauges
 from tokenmill.textgen.outputs import FINISH_ABORT, RequestOutput
 from tokenmill.textgen.sampling import SamplingParams
 from tokenmill.textgen.tokenizer import Tokenizer

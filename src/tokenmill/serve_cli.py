@@ -14,10 +14,8 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-from tokenmill.engines import VLLM
-from tokenmill.frontend.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
-from tokenmill.frontend.control_socket import CONTROL_SOCKET_ENV
-from tokenmill.frontend.launch import (
+from tokenmill.api.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
+from tokenmill.api.launch import (
     add_frontend_flags,
     api_keys,
     disagg_config,
@@ -28,6 +26,8 @@ from tokenmill.frontend.launch import (
     router_policy,
     run_http,
 )
+from tokenmill.engines import VLLM
+from tokenmill.fleet.control_socket import CONTROL_SOCKET_ENV
 from tokenmill.router.policies import RouterConfig
 from tokenmill.runtime import event_loop
 from tokenmill.runtime.unix_sockets import socket_dir
@@ -109,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, run_dir: Path, sockets: Path, engine_args: list[str]) -> int:
     """The workers and API servers of one run: the registry in `run_dir`, the Unix sockets in `sockets`."""
-    from tokenmill.frontend.control_socket import serve_control_socket
-    from tokenmill.frontend.routes_admin import answer_workers
-    from tokenmill.frontend.worker_control import WorkerControl
-    from tokenmill.frontend.worker_processes import WorkerSupervisor
+    from tokenmill.api.routes_admin import answer_workers
+    from tokenmill.fleet.control_socket import serve_control_socket
+    from tokenmill.fleet.worker_control import WorkerControl
+    from tokenmill.fleet.worker_processes import WorkerSupervisor
     from tokenmill.runtime.discovery import FileDiscovery
     from tokenmill.runtime.supervisor import ChildSpec
 

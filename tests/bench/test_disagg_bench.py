@@ -139,13 +139,13 @@ def test_decision_counters_parsed_and_differenced() -> None:
 def test_server_events_counted_from_the_serve_log(tmp_path: Path) -> None:
     log_path = tmp_path / "serve.log"
     log_path.write_text(
-        "2026-11-30 14:11:11,547 WARNING tokenmill.frontend.worker_pool: worker worker-1 left (deregistered); "
+        "2026-11-30 14:11:11,547 WARNING tokenmill.fleet.worker_pool: worker worker-1 left (deregistered); "
         "6 requests to migrate\n"
-        "2026-11-30 14:11:11,548 WARNING tokenmill.frontend.distributed_backend: migrating a request off worker "
+        "2026-11-30 14:11:11,548 WARNING tokenmill.fleet.distributed_backend: migrating a request off worker "
         "worker-1 after 3 tokens\n"
-        "2026-11-30 14:11:11,549 WARNING tokenmill.frontend.distributed_backend: migrating a request off worker "
+        "2026-11-30 14:11:11,549 WARNING tokenmill.fleet.distributed_backend: migrating a request off worker "
         "worker-1 after 0 tokens\n"
-        "2026-11-30 14:12:00,000 WARNING tokenmill.frontend.worker_pool: worker decode-0 left (heartbeat timeout); "
+        "2026-11-30 14:12:00,000 WARNING tokenmill.fleet.worker_pool: worker decode-0 left (heartbeat timeout); "
         "0 requests to migrate\n")
     assert count_server_events(log_path) == {"worker_drops": 2, "migrations": 2}
     assert count_server_events(tmp_path / "missing.log") is None

@@ -7,8 +7,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.frontend.dashboard.figures import snapshot, window
-from tokenmill.frontend.metrics import FrontendMetrics
+from tokenmill.api.dashboard.figures import snapshot, window
+from tokenmill.api.metrics import FrontendMetrics
 
 
 def _worker(name: str, **values: float) -> dict[str, float]:

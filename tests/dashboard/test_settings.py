@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tokenmill.frontend.dashboard.settings import Settings
-from tokenmill.frontend.errors import APIError
+from tokenmill.api.dashboard.settings import Settings
+from tokenmill.api.errors import APIError
 from tokenmill.router.decision import RoutingRequest
 from tokenmill.router.policies import Router, RouterConfig
 from tokenmill.runtime import protocol as p

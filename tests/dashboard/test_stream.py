@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from tokenmill.frontend.dashboard import stream as stream_module
-from tokenmill.frontend.dashboard.stream import Sampler
-from tokenmill.frontend.metrics import FrontendMetrics
+from tokenmill.api.dashboard import stream as stream_module
+from tokenmill.api.dashboard.stream import Sampler
+from tokenmill.api.metrics import FrontendMetrics
 
 
 class Clock:

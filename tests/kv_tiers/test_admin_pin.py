@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from tokenmill.api.errors import APIError
+from tokenmill.api.routes_admin import pin_token_ids
 from tokenmill.embedded_backend import LocalBackend
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.frontend.errors import APIError
-from tokenmill.frontend.routes_admin import pin_token_ids
 from tokenmill.textgen.tokenizer import Tokenizer
 
 

@@ -7,9 +7,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenmill.api.metrics import FrontendMetrics
+from tokenmill.backend import tier_gauges
 from tokenmill.engine.cli_args import add_engine_arguments, engine_argv, engine_config_from_args
 from tokenmill.engine.kv_tiers_wiring import tier_load
-from tokenmill.frontend.metrics import FrontendMetrics, tier_gauges
 
 TIER_STATS = {"tiers": {"host": {"hits": 5, "misses": 2, "used_bytes": 4096, "capacity_bytes": 8192, "puts": 9},
                         "shared": {"hits": 1, "misses": 7, "errors": 3, "used_bytes": 0, "capacity_bytes": 100}},

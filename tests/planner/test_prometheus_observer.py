@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from tokenmill.frontend.metrics import FrontendMetrics
+from tokenmill.api.metrics import FrontendMetrics
 from tokenmill.planner.observation import SERVING, STARTING
 from tokenmill.planner.prometheus_observer import observe, scrape
 
@@ -69,7 +69,7 @@ def test_prompt_spread_and_the_busiest_second_come_from_the_frontend(monkeypatch
     import numpy as np
 
     now = [100.0]
-    monkeypatch.setattr("tokenmill.frontend.metrics.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("tokenmill.api.metrics.time.monotonic", lambda: now[0])
     m = _metrics()
     m.start_request(50).on_finish("success", 50, 10, 0)
     now[0] = 101.0  # second 100 (50 tokens) is over at the next admission: before the interval
@@ -97,7 +97,7 @@ def test_the_decode_streams_mean_and_peaks_come_from_the_frontend(monkeypatch: p
     import numpy as np
 
     now = [200.0]
-    monkeypatch.setattr("tokenmill.frontend.metrics.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("tokenmill.api.metrics.time.monotonic", lambda: now[0])
     m = _metrics()
     before = scrape(generate_latest(m.registry).decode())
     counts = [100] * 50 + [20] * 50  # streams held at seconds 201-250, then 251-300

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.bench.routing.router_workload import ChainFactory, build_fleet, event_stream
+from tokenmill.bench.harness.router_workload import ChainFactory, build_fleet, event_stream
 from tokenmill.cli import main
 from tokenmill.kv.events import BlockRemoved, BlockStored
 from tokenmill.router.indexer import KVIndexer

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving.conftest import Server, start_server, stop_server
-from tokenmill.frontend.dashboard.figures import snapshot, window
+from tokenmill.api.dashboard.figures import snapshot, window
 
 KEY = "dashboard-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

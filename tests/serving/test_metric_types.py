@@ -9,7 +9,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving.conftest import Server
-from tokenmill.frontend.metric_families import typed_families
+from tokenmill.api.metric_families import typed_families
 
 
 def test_the_served_metrics_have_their_true_types(two_worker_server: Server) -> None:

@@ -18,8 +18,8 @@ import pytest
 
 from tests.serving.conftest import Server, start_server, stop_server
 from tests.serving.probes import child_pids
-from tokenmill.frontend.control_socket import CONTROL_SOCKET_ENV
-from tokenmill.frontend.worker_control import WorkerControl
+from tokenmill.fleet.control_socket import CONTROL_SOCKET_ENV
+from tokenmill.fleet.worker_control import WorkerControl
 from tokenmill.runtime.supervisor import ChildSpec
 
 STEP_S = "0.04"  # each mock decode step: a 100-token stream lasts about 4 s

@@ -326,5 +326,5 @@ def test_arrivals_import_no_runtime_frontend_worker_or_bench():
     tree = ast.parse(Path(arrivals.__file__).read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    banned = ("tokenmill.runtime", "tokenmill.frontend", "tokenmill.worker", "tokenmill.bench")
+    banned = ("tokenmill.runtime", "tokenmill.api", "tokenmill.worker", "tokenmill.bench")
     assert not [name for name in imported if name.startswith(banned)]

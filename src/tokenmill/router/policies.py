@@ -162,6 +162,10 @@ class Router:
     def on_finished(self, request_id: str) -> None:
         self.load.on_finished(request_id)
 
+    def worker_of(self, request_id: str) -> str | None:
+        """The worker a request in flight was routed to (None once it finished, or never routed)."""
+        return self.load.worker_of(request_id)
+
     def report_capacity(self, worker: str, num_blocks: int | None) -> None:
         """The worker's device KV pool in blocks: a request that would not fit there costs more."""
         self.load.set_capacity(worker, num_blocks)

@@ -172,7 +172,7 @@ def summarize(scenario: str, label: str, records: list[Any], seconds: float, bef
     """One row: the client's latencies, `/metrics`' hits over the run, the cost of its worker-hours."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tokenmill.frontend.dashboard.figures import snapshot, window
+    from tokenmill.api.dashboard.figures import snapshot, window
 
     ok = [r for r in records if r.status == "ok"]
     ttft = np.array([r.ttft_s for r in ok if r.ttft_s is not None]) * 1e3

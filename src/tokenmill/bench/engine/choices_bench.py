@@ -1,6 +1,6 @@
 """`tokenmill bench choices`: one request with n = 4 against 4 separate requests of the same prompt.
 
-A request's n choices share one prefill (frontend/choices.py); four separate requests sent
+A request's n choices share one prefill (api/choices.py); four separate requests sent
 together each compute the prompt. Rounds alternate the two ways, each round on a fresh
 random prompt (nothing cached from an earlier round), on a real `tokenmill serve` with the
 torch runner (small-moe by default). Reported per way: wall seconds per round, output tokens

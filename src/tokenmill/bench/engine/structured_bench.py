@@ -65,7 +65,7 @@ def _decode(engine: Any, prompts: list[list[int]], params: Any) -> tuple[float, 
 
 
 def _measure(engine: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.frontend.structured import response_format_grammar
+    from tokenmill.api.structured import response_format_grammar
     from tokenmill.textgen.sampling import SamplingParams
 
     started = time.perf_counter()

@@ -51,7 +51,7 @@ from tokenmill.bench.engines.engines_sides import (
     side_server,
 )
 from tokenmill.bench.harness import loadgen
-from tokenmill.bench.routing.prefix_routing_bench import TextTarget, corpus_words
+from tokenmill.bench.harness.text_workload import TextTarget, corpus_words
 from tokenmill.workloads.prompt_synth import SyntheticShape
 
 log = logging.getLogger(__name__)

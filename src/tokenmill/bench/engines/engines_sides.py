@@ -35,7 +35,7 @@ from tokenmill.bench.harness.serve_process import (
     stop,
     wait_ready,
 )
-from tokenmill.bench.routing.prefix_routing_bench import build_workload, corpus_words
+from tokenmill.bench.harness.text_workload import build_workload, corpus_words
 from tokenmill.workloads.prompt_synth import RequestSpec, SyntheticShape, corpus_requests
 
 LAYER, ROUTING, ENGINES = "layer", "routing", "engines"

@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from tokenmill.frontend.worker_pool import WorkerConnection
+from tokenmill.fleet.worker_pool import WorkerConnection
 from tokenmill.kv.events import KVEvent
 from tokenmill.router.indexer import ApplyStatus, KVIndexer
 from tokenmill.router.policies import Router, RouterConfig

@@ -29,7 +29,7 @@ from typing import Any
 
 import msgpack
 
-from tokenmill.bench.routing.router_workload import ChainFactory
+from tokenmill.bench.harness.router_workload import ChainFactory
 from tokenmill.kv.events import KVEvent, KVEventEmitter
 
 log = logging.getLogger(__name__)

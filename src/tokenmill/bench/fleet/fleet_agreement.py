@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from tokenmill.bench.harness import loadgen
+from tokenmill.bench.harness.checkpoint import model_limits
 from tokenmill.bench.harness.serve_process import running_server
 from tokenmill.bench.harness.trace_replay import TraceFit, read_trace, trace_requests
-from tokenmill.bench.routing.router_replay import model_limits
 from tokenmill.datasets import AZURE_CONV_TRACE, MOONCAKE_TRACE, data_dir
 from tokenmill.workloads.prompt_synth import HashBlockSynth, RequestSpec, TokenSpace
 

@@ -81,9 +81,9 @@ async def _replay(url: str, specs: list[Any]) -> tuple[list[Any], list[tuple[flo
 
 def _live(args: argparse.Namespace, model: str, trace: Path, workers: int, planned: bool, work: Path) -> dict[str, Any]:
     from tokenmill.bench.harness import loadgen
+    from tokenmill.bench.harness.checkpoint import model_limits
     from tokenmill.bench.harness.serve_process import running_server
     from tokenmill.bench.harness.trace_replay import TraceFit, read_trace, trace_requests
-    from tokenmill.bench.routing.router_replay import model_limits
     from tokenmill.workloads.prompt_synth import HashBlockSynth, TokenSpace
 
     _, vocab = model_limits(model)

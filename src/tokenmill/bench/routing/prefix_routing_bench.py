@@ -23,12 +23,10 @@ import argparse
 import asyncio
 import json
 import logging
-import random
 import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -36,41 +34,19 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenmill.bench.harness import loadgen
+from tokenmill.bench.harness.checkpoint import fit_context
 from tokenmill.bench.harness.serve_process import ServeProcess, running_server
 from tokenmill.bench.harness.serve_stats import Distribution, distribution_ms
-from tokenmill.workloads.prompt_synth import RequestSpec
+from tokenmill.bench.harness.text_workload import TextSpec, TextTarget, Workload, build_workload, corpus_words
+from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger(__name__)
 
 SCHEMA_NAME, SCHEMA_VERSION = "tokenmill.bench.prefix_routing", 1
 MEAN_TARGETS = {1000: 1.3, 4000: 1.6}  # prefix words -> wanted mean TTFT round-robin / kv
 P99_TARGET = 1.1  # wanted p99 TTFT kv / round-robin, at most
-BLOCK_SIZE = 16
 SERVED_NAME = "prefix-routing"
 SETTLE_S = 5.0  # worker heartbeats (every 0.5 s) carry request counts into the registry
-
-
-@dataclass(slots=True)
-class TextSpec(RequestSpec):
-    """A request sent as text; `prompt` holds the client's tokenization, for lengths only."""
-    text: str = ""
-
-
-class TextTarget(loadgen.Target):
-    __slots__ = ()
-
-    def completion_body(self, spec: RequestSpec) -> dict[str, Any]:
-        body = loadgen.Target.completion_body(self, spec)  # not super(): slots dataclasses break it
-        body["prompt"] = spec.text if isinstance(spec, TextSpec) else spec.prompt
-        return body
-
-
-@dataclass(slots=True)
-class Workload:
-    prefix_words: int
-    prefix_tokens: list[int]  # per group
-    kv_cache_blocks: int
-    specs: list[TextSpec]
 
 
 @dataclass(slots=True)
@@ -124,30 +100,6 @@ def _validate(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     return sizes, policies
 
 
-def corpus_words() -> list[str]:
-    return resources.files("tokenmill.textgen.corpus").joinpath("persuasion.txt").read_text(encoding="utf-8").split()
-
-
-def build_workload(words: list[str], prefix_words: int, tokenizer: Any, args: argparse.Namespace) -> Workload:
-    """Seeded: both policies (and every repeat) see the same prompts in the same order."""
-    if prefix_words >= len(words):
-        raise ValueError(f"--prefix-words {prefix_words}: the corpus has only {len(words)} words")
-    rng = random.Random(args.seed * 1_000_003 + prefix_words)
-    # distinct starting words: passages may overlap further in, but block hashes chain from the start
-    starts = rng.sample(range(len(words) - prefix_words), args.groups)
-    prefixes = [" ".join(words[s:s + prefix_words]) for s in starts]
-    order = [i % args.groups for i in range(args.requests)]
-    rng.shuffle(order)
-    specs = []
-    for i, group in enumerate(order):
-        # a space then a word starts a new pre-token, so the prefix tokenizes the same inside the prompt
-        text = f"{prefixes[group]} Question {i}: {' '.join(rng.choices(words, k=6))}?"
-        specs.append(TextSpec(tokenizer.encode(text), args.max_tokens, text=text))
-    tokens = [len(tokenizer.encode(p)) for p in prefixes]
-    blocks = round(args.pool_fraction * sum(-(-t // BLOCK_SIZE) for t in tokens))
-    return Workload(prefix_words, tokens, blocks, specs)
-
-
 def prepare_model(args: argparse.Namespace, work_dir: Path) -> Path:
     if args.model is not None:
         return Path(args.model)
@@ -156,28 +108,10 @@ def prepare_model(args: argparse.Namespace, work_dir: Path) -> Path:
     return write_model("tiny-llama", work_dir / "tiny-llama", seed=0)
 
 
-def fit_context(model: Path, needed: int, owned: bool) -> None:
-    """Raise our own checkpoint's context to `needed` (a power of two); refuse a user's that is short."""
-    config_path = model / "config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    if config["max_position_embeddings"] >= needed:
-        return
-    if not owned:
-        raise ValueError(f"--model {model}: context {config['max_position_embeddings']} < {needed} tokens needed")
-    context = 1 << (needed - 1).bit_length()
-    config["max_position_embeddings"] = context
-    config_path.write_text(json.dumps(config, indent=2), encoding="utf-8")
-    tok_path = model / "tokenizer_config.json"
-    tok = json.loads(tok_path.read_text(encoding="utf-8"))
-    tok["model_max_length"] = context  # else every long prompt logs transformers' length warning
-    tok_path.write_text(json.dumps(tok, indent=2), encoding="utf-8")
-    log.info("raised %s's context to %d tokens (mock runner: weights are never read)", model, context)
-
-
 def _serve_flags(args: argparse.Namespace, model: Path, policy: str, workload: Workload, batched: int) -> list[str]:
     return ["--model", str(model), "--runner", "mock", "--mock-step-time", args.mock_step_time,
             "--router", policy, "--kv-cache-blocks", str(workload.kv_cache_blocks),
-            "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(batched),
+            "--block-size", str(DEFAULT_BLOCK_SIZE), "--max-num-batched-tokens", str(batched),
             "--served-model-name", SERVED_NAME, "--seed", str(args.seed)]
 
 

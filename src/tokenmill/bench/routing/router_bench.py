@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.routing.router_workload import ChainFactory, build_fleet, decision_prompts, event_stream
+from tokenmill.bench.harness.router_workload import ChainFactory, build_fleet, decision_prompts, event_stream
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 from tokenmill.router.decision import RoutingRequest
 from tokenmill.router.indexer import ApplyStatus

@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tokenmill.bench.harness import loadgen
+from tokenmill.bench.harness.checkpoint import model_limits
 from tokenmill.bench.harness.serve_process import ServeProcess, running_server
 from tokenmill.bench.harness.serve_stats import SLO, summarize
 from tokenmill.bench.harness.trace_replay import TraceFit, read_trace, trace_requests
@@ -103,15 +104,6 @@ def _policies(args: argparse.Namespace) -> list[str]:
     if not names or unknown or len(set(names)) != len(names):
         raise ValueError(f"--policies must be distinct names from {', '.join(POLICIES)}, got {args.policies!r}")
     return names
-
-
-def model_limits(model: str) -> tuple[int, int]:
-    """(context length, vocabulary size) from the checkpoint's config.json."""
-    try:
-        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
-        return int(config["max_position_embeddings"]), int(config["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"--model {model}: no readable config.json with a context and vocabulary ({exc})") from exc
 
 
 def _validate(args: argparse.Namespace) -> list[str]:

@@ -101,7 +101,7 @@ def _validate(args: argparse.Namespace) -> list[str]:
 
 def prepare_model(args: argparse.Namespace, work: Path) -> tuple[Path, int]:
     """The checkpoint (a context that fits the prompts) and its vocabulary size."""
-    from tokenmill.bench.routing.prefix_routing_bench import fit_context
+    from tokenmill.bench.harness.checkpoint import fit_context
     from tokenmill.engine.make_model import write_model
 
     owned = args.model is None
