@@ -38,7 +38,7 @@ system-packages:
 test: install install-vllm system-packages
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m 'not solo'
-	$(BIN)/python -m pytest -m solo
+	$(BIN)/python -m pytest -n 2 --dist load -m solo
 
 # config.json is written last by convert-gguf, so its presence means a complete checkpoint.
 $(SMOLLM2)/config.json: | install

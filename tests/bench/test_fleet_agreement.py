@@ -17,7 +17,7 @@ import pytest
 from tokenmill.bench.fleet import fleet_agreement
 from tokenmill.datasets import MOONCAKE_TRACE, data_file
 
-pytestmark = pytest.mark.solo  # live timing against modelled time: run alone
+pytestmark = pytest.mark.solo  # live timing against modelled time: apart from the heavy tests
 
 # A quarter speed: the live host's own time per request (10-20 ms on a quiet 2-core machine, two or
 # three times that on a busy one) counts a quarter in modelled time. At full speed p90 ratios were

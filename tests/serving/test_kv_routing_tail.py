@@ -26,7 +26,7 @@ import pytest
 
 from tests.serving.conftest import Server, start_server, stop_server
 
-pytestmark = pytest.mark.solo  # live timing against modelled time: run alone
+pytestmark = pytest.mark.solo  # live timing against modelled time: apart from the heavy tests
 
 log = logging.getLogger(__name__)
 

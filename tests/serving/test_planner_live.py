@@ -17,13 +17,16 @@ import pytest
 
 from tests.serving.conftest import Server, start_server, stop_server
 
-pytestmark = pytest.mark.solo  # live timing against modelled time: run alone
+pytestmark = pytest.mark.solo  # live timing against modelled time: apart from the heavy tests
 
 INTERVAL_S = 3.0
 SUSTAIN = 2  # decisions that must agree before a replica is removed
 # (requests per second, seconds): one replica sustains ~3.8 req/s of these at the 2 s TTFT target, so
 # the first phase fits one even if the host's own slowness makes the correction x1.5
-PHASES = ((2.0, 12.0), (4.5, 15.0), (0.5, 21.0))
+PHASES = ((2.0, 12.0), (4.5, 15.0), (0.5, 15.0))
+# after the load, how long the scale-down and the drained replica's exit may still take (both are
+# usually seen while the quiet phase still runs: two agreeing intervals after the fall)
+TAIL_S = INTERVAL_S * (SUSTAIN + 2) + 6.0
 MAX_TOKENS = 4
 FLAGS = ("--runner", "mock", "--mock-profile", "llama-3.1-405b@h100:fp8:tp8", "--max-num-batched-tokens", "256",
          "--kv-cache-blocks", "2000", "--planner", "sla", "--predictor", "constant",
@@ -51,7 +54,8 @@ async def _load(url: str, marks: dict[str, float], results: list[dict]) -> None:
 
 
 async def _watch(url: str, marks: dict[str, float], stop: asyncio.Event) -> None:
-    """When the planner's first scale-up and first scale-down decisions became visible."""
+    """When the planner's first scale-up and first scale-down decisions became visible, and when a
+    removed replica was first seen gone."""
     async with httpx.AsyncClient(base_url=url, timeout=10.0, trust_env=False) as client:
         while not stop.is_set():
             decisions = (await client.get("/admin/planner", params={"last": "500"})).json()["data"]
@@ -59,6 +63,9 @@ async def _watch(url: str, marks: dict[str, float], stop: asyncio.Event) -> None
                 for action in d["actions"]:
                     key = "up" if action["delta"] > 0 else "down"
                     marks.setdefault(key, time.monotonic())
+            workers = (await client.get("/admin/workers")).json()["data"]
+            if any(w["state"] == "gone" for w in workers):
+                marks.setdefault("gone", time.monotonic())
             await asyncio.sleep(0.25)
 
 
@@ -68,7 +75,9 @@ async def _run(url: str) -> tuple[dict[str, float], list[dict]]:
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch(url, marks, stop))
     await _load(url, marks, results)
-    await asyncio.sleep(INTERVAL_S * (SUSTAIN + 2))  # the quiet phase's tail: room for the scale-down
+    deadline = time.monotonic() + TAIL_S
+    while not {"down", "gone"} <= marks.keys() and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
     stop.set()
     await watcher
     return marks, results

@@ -62,7 +62,10 @@ def test_64_concurrent_streams_account_for_every_token(two_worker_server: Server
         return usage.completion_tokens, 8 + i % 9
 
     async def main() -> list[tuple[int, int]]:
-        client = openai.AsyncOpenAI(base_url=two_worker_server.url + "/v1", api_key="none", max_retries=0)
+        # one client loop opens 64 connections while it parses 64 streams: on a busy host a connect
+        # can wait past the SDK's 5 s connect timeout in this process, not in the server
+        client = openai.AsyncOpenAI(base_url=two_worker_server.url + "/v1", api_key="none", max_retries=0,
+                                    timeout=120.0)
         return await asyncio.gather(*(one(client, i) for i in range(64)))
 
     results = asyncio.run(main())
