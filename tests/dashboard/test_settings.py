@@ -12,9 +12,11 @@ import pytest
 
 from tokenmill.api.dashboard.settings import Settings
 from tokenmill.api.errors import APIError
+from tokenmill.fleet.worker_pool import WorkerPool
 from tokenmill.router.decision import RoutingRequest
 from tokenmill.router.policies import Router, RouterConfig
 from tokenmill.runtime import protocol as p
+from tokenmill.runtime.discovery import MemoryDiscovery
 
 
 @dataclass
@@ -27,16 +29,8 @@ class FakeConnection:
 
 
 @dataclass
-class FakePool:
-    router: Router
-    prefill_router: Router
-    connections: dict[str, FakeConnection]
-    join_messages: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
 class FakeBackend:
-    pool: FakePool
+    pool: WorkerPool
 
 
 def _settings(tiers: bool = True, policy: str = "kv", api_servers: int = 1) -> tuple[Settings, list[str]]:
@@ -44,7 +38,8 @@ def _settings(tiers: bool = True, policy: str = "kv", api_servers: int = 1) -> t
     for worker in ("w0", "w1"):
         router.add_worker(worker)
     load = {"tier_host_hits": 0.0} if tiers else {}
-    pool = FakePool(router, Router(RouterConfig("kv")), {"w0": FakeConnection(dict(load)), "w1": FakeConnection(dict(load))})
+    pool = WorkerPool(MemoryDiscovery(), router, prefill_router=Router(RouterConfig("kv")))
+    pool.connections.update({"w0": FakeConnection(dict(load)), "w1": FakeConnection(dict(load))})  # type: ignore[dict-item]
     marks: list[str] = []
     return Settings(FakeBackend(pool), None, lambda: None, marks.append, api_servers), marks
 

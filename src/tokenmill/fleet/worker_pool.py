@@ -220,6 +220,20 @@ class WorkerPool:
         """Live workers of the prefill pool, or of the decode/aggregated pool, that take new requests."""
         return [w for w, c in self.connections.items() if (c.info.role == "prefill") == prefill and not c.draining]
 
+    def use_tiers(self, enabled: bool) -> None:
+        """Every worker, and each that joins later, uses (or stops using) its KV tiers below the
+        device pool; both routers weigh tier hits to match."""
+        message = {"type": p.TIERS, "enabled": enabled}
+        self.join_messages = [message]
+        for conn in list(self.connections.values()):
+            conn.send(message)
+        for router in (self.router, self.prefill_router):
+            router.use_tiers(enabled)
+
+    def has_tiers(self) -> bool:
+        """Some worker reports KV tiers below its device pool (its heartbeat has `tier_*` keys)."""
+        return any(any(key.startswith("tier_") for key in conn.load) for conn in self.connections.values())
+
     def mark_draining(self, worker_id: str) -> bool:
         """Route nothing new to the worker from now on (its own heartbeat says so a moment later)."""
         conn = self.connections.get(worker_id)

@@ -25,7 +25,6 @@ from typing import Any
 
 from tokenmill.api.errors import APIError, invalid_param
 from tokenmill.fleet.worker_control import FAILED, SERVING, WorkerCommandRefused, WorkerControl
-from tokenmill.runtime import protocol as p
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class Settings:
         pool = self.backend.pool
         return {"disaggregation": self.disaggregated if self.control is not None else None,
                 "kv_routing": (pool.router.policy == "kv") if pool.router.indexer is not None else None,
-                "managed_cache": self.cache_enabled if self._has_tiers() else None,
+                "managed_cache": self.cache_enabled if pool.has_tiers() else None,
                 "planner": (not self.planner().deployment.paused) if self.planner() is not None else None,
                 "busy": self.busy, "last_error": self.last_error}
 
@@ -108,13 +107,7 @@ class Settings:
 
     def _set_managed_cache(self, on: bool) -> None:
         self.cache_enabled = on
-        message = {"type": p.TIERS, "enabled": on}
-        pool = self.backend.pool
-        pool.join_messages = [message]  # workers that join later are told too
-        for conn in list(pool.connections.values()):
-            conn.send(message)
-        for router in (pool.router, pool.prefill_router):
-            router.use_tiers(on)
+        self.backend.pool.use_tiers(on)
         self.mark(f"managed cache {'on' if on else 'off'}")
 
     def _set_planner(self, on: bool) -> None:
@@ -169,9 +162,6 @@ class Settings:
             if all(control.records[name].state == SERVING for name in names):
                 return None
             await asyncio.sleep(POLL_S)
-
-    def _has_tiers(self) -> bool:
-        return any(any(key.startswith("tier_") for key in conn.load) for conn in self.backend.pool.connections.values())
 
     async def close(self) -> None:
         if self._task is not None:
