@@ -33,8 +33,8 @@ system-packages:
 	bash scripts/system-packages.sh
 
 # Lint first (ruff, configured in pyproject.toml). Then two pytest processes, a test file each at a
-# time (files share their servers); then, alone, the tests that compare live timing with modelled
-# time, which a neighbour's load would skew.
+# time (files share their servers); then the tests that compare live timing with modelled time,
+# apart from that load, which would skew them, two at a time: they mostly wait on modelled time.
 test: install install-vllm system-packages
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m 'not solo'

@@ -12,7 +12,7 @@ blocks are pinned.
 and tier: block counts and an order-free digest (`router/index_view.py`), the hashes on request;
 404 where no router runs (one embedded engine).
 
-`GET /admin/workers` lists `tokenmill serve`'s workers (`worker_control.py`: name, role, state,
+`GET /admin/workers` lists `tokenmill serve`'s workers (`fleet/worker_control.py`: name, role, state,
 pid, in-flight requests, started_at, and live replicas counted by role and state); `POST
 /admin/workers` changes them, answering 202 with the records it touched:
 `{"action": "start", "role": R, "count": N}` -> `{"started": [...]}`;
@@ -20,7 +20,7 @@ pid, in-flight requests, started_at, and live replicas counted by role and state
 serving ones) -> `{"drained": [...]}`; `{"action": "rerole", "worker": NAME, "to": R}` -> both.
 Client mistakes are 400s naming the field, an unknown worker a 404, and a drain that would leave
 no agg/decode worker serving (or of a worker not serving) a 409. The other API servers of a
-`--api-servers N` deployment forward these two routes to the serve process (`control_socket.py`).
+`--api-servers N` deployment forward these two routes to the serve process (`fleet/control_socket.py`).
 """
 from __future__ import annotations
 

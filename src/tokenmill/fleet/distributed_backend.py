@@ -175,7 +175,7 @@ class DistributedBackend:
                 candidates = [followed]  # the same prompt in flight there: the engine computes it once
             try:
                 decision = self.router.select(request, candidates)
-                progress.cached_tokens_at_decode = decision.overlap_blocks * block_size
+                progress.routed(decision.overlap_blocks * block_size)
                 return self.pool.connections[decision.worker]
             except NoWorkerAvailable:
                 pass
@@ -209,7 +209,7 @@ class DistributedBackend:
                     if carried:  # the decode worker pulled the KV (or recomputed it): it releases it
                         carried = False
                         self.prefill.settled(request_id)
-                    cached_here = out.num_cached_tokens  # this attempt's hit, before _account restates it
+                    cached_here = out.num_cached_tokens  # this attempt's hit, before progress.account restates it
                     out = progress.account(out)
                     # the router's decode charge follows what the worker now holds (router/load.py)
                     self.router.on_progress(request_id, len(progress.prompt) + len(progress.generated),

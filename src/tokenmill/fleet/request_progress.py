@@ -49,6 +49,10 @@ class RequestProgress:
     def max_new_tokens(self) -> int:
         return self.params.max_tokens - len(self.generated)
 
+    def routed(self, cached_tokens: int) -> None:
+        """A decode worker was chosen that caches this many of the tokens, by its router's index."""
+        self.cached_tokens_at_decode = cached_tokens
+
     def hold_handle(self, handle: dict[str, Any]) -> None:
         self.kv_handle = handle
 

@@ -58,7 +58,11 @@ class WorkerCommandRefused(Exception):
     forbids it now); `param` names the command's field at fault and `code` the reason, as the
     API's error JSON spells them (`api/errors.py` turns this into a 400, 404 or 409)."""
 
+    KINDS = ("invalid", "not_found", "conflict")
+
     def __init__(self, kind: str, message: str, param: str | None, code: str | None = None) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"kind must be one of {', '.join(self.KINDS)}, got {kind!r}")
         super().__init__(message)
         self.kind = kind
         self.param = param

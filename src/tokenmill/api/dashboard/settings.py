@@ -138,18 +138,20 @@ class Settings:
                        roles: tuple[str, ...]) -> str:
         """Start the workers of `plan`; once all serve, drain `old` and take `roles`. On a failed
         start, drain the new ones instead and keep the old roles."""
-        before, control.roles = control.roles, ALL_ROLES
-        started = [rec.name for role, count in plan.items() for rec in control.start(role, count)]
-        failed = await self._wait_serving(control, started)
-        if failed is not None:
-            self.last_error = f"{failed} did not start: {control.records[failed].reason}"
-            control.drain([name for name in started if control.records[name].state == SERVING])
-            control.roles = before
-            return "failed, nothing changed"
-        control.drain(old)
-        control.roles = roles
-        self.disaggregated = roles != ("agg",)
-        return "done"
+        kept, control.roles = control.roles, ALL_ROLES
+        try:  # whatever is raised meanwhile, the roles are the old ones or, once done, the new ones
+            started = [rec.name for role, count in plan.items() for rec in control.start(role, count)]
+            failed = await self._wait_serving(control, started)
+            if failed is not None:
+                self.last_error = f"{failed} did not start: {control.records[failed].reason}"
+                control.drain([name for name in started if control.records[name].state == SERVING])
+                return "failed, nothing changed"
+            control.drain(old)
+            kept = roles
+            self.disaggregated = roles != ("agg",)
+            return "done"
+        finally:
+            control.roles = kept
 
     @staticmethod
     async def _wait_serving(control: WorkerControl, names: list[str]) -> str | None:

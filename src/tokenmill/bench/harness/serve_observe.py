@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WORKER_DROP_RE = re.compile(r"WARNING \S+: worker \S+ left \(")  # frontend.worker_pool's drop warning
-MIGRATION_TEXT = "migrating a request off worker"  # frontend.distributed_backend's warning
+WORKER_DROP_RE = re.compile(r"WARNING \S+: worker \S+ left \(")  # fleet.worker_pool's drop warning
+MIGRATION_TEXT = "migrating a request off worker"  # fleet.distributed_backend's warning
 DECISIONS_RE = re.compile(r'^tokenmill_disagg_decisions_total\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)')
 LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 HOST_KEY, CLIENT_KEY, FRONTEND_KEY = "host", "client", "frontend"  # non-worker keys of a CPU snapshot

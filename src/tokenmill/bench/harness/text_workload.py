@@ -1,6 +1,6 @@
 """A shared-prefix load sent as text: groups of requests that each open with their group's
 passage of the package's English corpus (the Austen novel the test tokenizers are trained on),
-then a short unique question. The prefix-routing, router-warm-up and engines benchmarks send it.
+then a short unique question. The prefix-routing and engines benchmarks send it.
 
 `build_workload(words, prefix_words, tokenizer, args)` reads `args.seed`, `args.groups`,
 `args.requests`, `args.max_tokens` and `args.pool_fraction` (of all the prefixes' blocks, the
