@@ -90,6 +90,34 @@ def test_close_removes_the_registration_at_once(etcd: EtcdServer) -> None:
     run(scenario)
 
 
+def test_close_returns_even_when_a_background_task_does_not_end(etcd: EtcdServer) -> None:
+    """aetcd can swallow the cancel of a watch that was being made when the reader closed (a frontend
+    stopping right after it connected): close must still return, within its bound."""
+    async def scenario() -> None:
+        reader = discovery_from_url(etcd.url)
+        await reader.start()
+        reader.workers()
+        await until(lambda: reader.connected)
+        released = asyncio.Event()
+
+        async def stubborn() -> None:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await released.wait()  # ignores the cancel, as the stuck watch does
+
+        task = asyncio.create_task(stubborn())
+        reader._tasks.append(task)
+        await asyncio.sleep(0)
+        async with asyncio.timeout(10):
+            await reader.close(timeout_s=0.5)
+        assert not task.done()  # close returned although the task still runs
+        released.set()
+        await task
+
+    run(scenario)
+
+
 @pytest.mark.parametrize("url,message", [("etcd://", "host:port"), ("etcd://h", "host:port"),
                                          ("etcd://h:x", "host:port"), ("etcd://h:1,", None)])
 def test_etcd_urls(url: str, message: str | None) -> None:

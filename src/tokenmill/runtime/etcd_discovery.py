@@ -128,7 +128,11 @@ class EtcdDiscovery:
             pass
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:  # a watch cancelled while aetcd was making it may never end: do not wait forever
+            _, stuck = await asyncio.wait(self._tasks, timeout=timeout_s)
+            if stuck:
+                log.debug("%d etcd task(s) did not end within %.0f s of cancelling; leaving them to the process "
+                          "exit", len(stuck), timeout_s)
         if self._client is not None:
             try:  # aetcd's watcher shutdown can wait forever on a watch cancelled while it was being made
                 async with asyncio.timeout(timeout_s):
