@@ -84,7 +84,7 @@ def test_close_removes_the_registration_at_once(etcd: EtcdServer) -> None:
         worker.register(WorkerInfo("w0", "tcp://10.0.0.2:5000"))
         await until(lambda: listed(frontend) == ["w0"])
         await worker.close()
-        await until(lambda: listed(frontend) == [], timeout_s=5)  # not the 30 s lease
+        await until(lambda: listed(frontend) == [], timeout_s=15)  # at once, not at the 30 s lease, on a busy host too
         await frontend.close()
 
     run(scenario)

@@ -32,7 +32,7 @@ from tokenmill.kv.events import event_from_wire
 from tokenmill.router.indexer import ApplyStatus
 from tokenmill.router.policies import Router
 from tokenmill.runtime import protocol as p
-from tokenmill.runtime.discovery import Discovery, WorkerInfo
+from tokenmill.runtime.discovery import DEFAULT_TTL_S, Discovery, WorkerInfo
 from tokenmill.runtime.zmq_reader import SocketReader
 
 if TYPE_CHECKING:  # nats: only frontends given --event-plane
@@ -167,7 +167,7 @@ class WorkerConnection:
 
 
 class WorkerPool:
-    def __init__(self, discovery: Discovery, router: Router, heartbeat_timeout_s: float = 1.5,
+    def __init__(self, discovery: Discovery, router: Router, heartbeat_timeout_s: float = DEFAULT_TTL_S,
                  poll_s: float = 0.2, prefill_router: Router | None = None,
                  event_plane: NatsEventPlane | None = None, snapshot_on_join: bool = True) -> None:
         self.discovery = discovery

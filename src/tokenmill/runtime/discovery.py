@@ -18,7 +18,10 @@ from typing import Any, Protocol
 
 from tokenmill.runtime.worker_info import WorkerInfo
 
-DEFAULT_TTL_S = 1.5
+# How stale a worker's heartbeat may be before it counts as gone. Seconds, not one: a worker on a busy
+# host can miss a beat or two while it is healthy, and dropping it migrates (or fails) its streams; a
+# worker that died on this host is caught at once anyway, by its pid.
+DEFAULT_TTL_S = 5.0
 
 
 class Discovery(Protocol):
