@@ -57,11 +57,28 @@ def start_serving(model: Path, run_dir: Path, *flags: str, workers: int) -> Serv
     return server
 
 
-def vllm_alone(model: Path, prompts: list[list[int]], max_tokens: int, out: Path) -> list[list[int]]:
-    """vLLM's own greedy token ids for `prompts` (ignore_eos), in a process of vLLM's venv."""
-    job = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "block_size": BLOCK_SIZE,
-           "max_model_len": MAX_MODEL_LEN}
-    result = subprocess.run([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_alone.py")), str(out)],
-                            input=json.dumps(job), capture_output=True, text=True, timeout=VLLM_START_S)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(out.read_text(encoding="utf-8"))["outputs"]
+class VLLMAlone:
+    """vLLM's own greedy token ids for `prompts` (ignore_eos), from a process of vLLM's venv that
+    starts at once, so that it runs while a deployment starts; `outputs()` waits for them."""
+
+    def __init__(self, model: Path, prompts: list[list[int]], max_tokens: int, out_dir: Path) -> None:
+        job = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens, "block_size": BLOCK_SIZE,
+               "max_model_len": MAX_MODEL_LEN}
+        self._out, self._log = out_dir / "outputs.json", out_dir / "vllm-alone.log"
+        with self._log.open("w") as log:
+            self._process = subprocess.Popen([str(VLLM_PYTHON), str(Path(__file__).with_name("vllm_alone.py")),
+                                              str(self._out)], stdin=subprocess.PIPE, stdout=log,
+                                             stderr=subprocess.STDOUT, text=True)
+        assert self._process.stdin is not None
+        self._process.stdin.write(json.dumps(job))
+        self._process.stdin.close()
+
+    def outputs(self) -> list[list[int]]:
+        returncode = self._process.wait(timeout=VLLM_START_S)
+        assert returncode == 0, self._log.read_text(encoding="utf-8")[-3000:]
+        return json.loads(self._out.read_text(encoding="utf-8"))["outputs"]
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()

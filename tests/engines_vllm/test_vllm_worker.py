@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.engines_vllm.conftest import BLOCK_SIZE, VLLM_START_S, Deployment, vllm_alone
+from tests.engines_vllm.conftest import BLOCK_SIZE, VLLM_START_S, Deployment, VLLMAlone
 from tests.serving.probes import busy_worker_pid, child_pids, metric, stream_with_a_kill, wait
 from tests.serving.test_dashboard import _points
 from tests.serving.test_runtime_scaling import state_is, wait_for
@@ -43,9 +45,24 @@ def prompt(seed: int, length: int) -> list[int]:
     return [100 + seed] + [(seed * 7919 + i * 104729) % 1800 + 200 for i in range(length - 1)]
 
 
+PROMPTS = {"short": prompt(1, 40), "long": prompt(2, 300), "kill": prompt(3, 60), "index": prompt(10, 200)}
+
+
 @pytest.fixture(scope="module")
-def tokenizer(vllm_deployment: Deployment) -> Tokenizer:
-    return Tokenizer(vllm_deployment.model)
+def tokenizer(small_llama: Path) -> Tokenizer:
+    return Tokenizer(small_llama)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reference_run(small_llama: Path, tokenizer: Tokenizer,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, list[int]], VLLMAlone]]:
+    """vLLM alone on this module's prompts, started first (autouse) so it runs while the deployment starts."""
+    prompts = {**PROMPTS, "chat": tokenizer.apply_chat_template(MESSAGES)}
+    run = VLLMAlone(small_llama, list(prompts.values()), KILL_TOKENS, tmp_path_factory.mktemp("vllm-alone"))
+    try:
+        yield prompts, run
+    finally:
+        run.stop()
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +71,10 @@ def client(vllm_deployment: Deployment) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def reference(vllm_deployment: Deployment, tokenizer: Tokenizer,
-              tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[int], list[int]]]:
+def reference(reference_run: tuple[dict[str, list[int]], VLLMAlone]) -> dict[str, tuple[list[int], list[int]]]:
     """name -> (prompt ids, vLLM alone's greedy ids)."""
-    prompts = {"short": prompt(1, 40), "long": prompt(2, 300), "chat": tokenizer.apply_chat_template(MESSAGES),
-               "kill": prompt(3, 60), "index": prompt(10, 200)}
-    outputs = vllm_alone(vllm_deployment.model, list(prompts.values()), KILL_TOKENS,
-                         tmp_path_factory.mktemp("vllm-alone") / "outputs.json")
-    return {name: (ids, out) for (name, ids), out in zip(prompts.items(), outputs)}
+    prompts, run = reference_run
+    return {name: (ids, out) for (name, ids), out in zip(prompts.items(), run.outputs())}
 
 
 def text_of(tokenizer: Tokenizer, prompt_ids: list[int], output_ids: list[int]) -> str:

@@ -15,6 +15,8 @@ def main() -> None:
     job = json.load(sys.stdin)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # the engine core in this process: a reference run then imports vLLM once, not three times
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=job["model"], dtype="float32", enforce_eager=True, block_size=job["block_size"],
