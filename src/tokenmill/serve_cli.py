@@ -27,6 +27,7 @@ from tokenmill.api.launch import (
     run_http,
 )
 from tokenmill.engines import VLLM
+from tokenmill.engines.options import check_vllm_transfer_backends
 from tokenmill.fleet.control_socket import CONTROL_SOCKET_ENV
 from tokenmill.router.policies import RouterConfig
 from tokenmill.runtime import event_loop
@@ -191,8 +192,7 @@ def _check_topology(args: argparse.Namespace) -> None:
         raise ValueError("--api-servers > 1 needs a fixed --port: the servers share it")
     if args.prefill or args.decode:
         if args.engine == VLLM:
-            raise ValueError("--prefill/--decode: vLLM workers serve aggregated (--workers N); disaggregated "
-                             "vLLM pools need tokenmill's KV connector for vLLM")
+            check_vllm_transfer_backends(args.kv_transfer_backends)
         if args.tp > 1 or args.ep > 1 or args.attention_dp > 1:
             flag = "--tp" if args.tp > 1 else "--ep" if args.ep > 1 else "--attention-dp"
             raise ValueError(f"{flag}: disaggregated serving moves KV from one "

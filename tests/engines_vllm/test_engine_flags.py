@@ -27,7 +27,8 @@ def tokenmill(python: str | Path, *argv: str) -> subprocess.CompletedProcess:
     (["--engine", "vllm", "--block-size", "16"], "--block-size 16"),
     (["--engine", "vllm", "--engine-arg", "block_size=64"], "--block-size 32"),
     (["--engine", "vllm", "--engine-python", "/nonexistent/python"], "--engine-python /nonexistent/python"),
-    (["--engine", "vllm", "--prefill", "1", "--decode", "1"], "--prefill"),
+    (["--engine", "vllm", "--prefill", "1", "--decode", "1", "--kv-transfer-backends", "shm"],
+     "--kv-transfer-backends shm"),
     (["--engine", "vllm", "--kv-host-gb", "1"], "--kv-host-gb"),
     (["--engine", "vllm", "--tp", "2"], "--tp"),
 ])

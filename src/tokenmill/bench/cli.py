@@ -23,6 +23,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "KV events from 64 synthetic workers over NATS vs the embedded ZeroMQ path: events/s, p99 event-to-index"),
     ("transfer", "tokenmill.bench.kv.transfer_bench",
      "KV-block transfers over shm and tcp between two processes, next to raw memcpy and socket"),
+    ("connector", "tokenmill.bench.kv.connector_bench",
+     "KV pulls through the vLLM connector's worker side vs plain transfer-agent reads of the same bytes (tcp)"),
     ("router-replay", "tokenmill.bench.routing.router_replay",
      "a Mooncake trace through tokenmill serve (mock workers) under each routing policy: TTFT, prefill, hits"),
     ("prefix-routing", "tokenmill.bench.routing.prefix_routing_bench",

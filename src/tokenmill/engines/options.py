@@ -62,6 +62,14 @@ def check_engine_selection(args: argparse.Namespace) -> None:
                          "worker offloads with vLLM's own options (--engine-arg kv_offloading_size=GiB)")
 
 
+def check_vllm_transfer_backends(backends: str) -> None:
+    """A disaggregated vLLM worker moves KV over tcp: vLLM's cache is private memory of its worker
+    process, which no shm peer can map. ValueError naming the flag otherwise."""
+    if "tcp" not in [name.strip() for name in backends.split(",")]:
+        raise ValueError(f"--kv-transfer-backends {backends}: a vLLM worker moves KV over tcp (vLLM's cache is "
+                         "not in shared memory); include tcp")
+
+
 def parse_engine_args(pairs: list[str]) -> list[tuple[str, str]]:
     """`KEY=VALUE` pairs as (key with dashes, value); ValueError naming the malformed one."""
     out = []

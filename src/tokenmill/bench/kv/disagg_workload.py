@@ -21,6 +21,7 @@ LONG, SHORT = "long", "short"
 WARMUP_OUTPUT_TOKENS = 8
 MODEL_CACHE = Path.home() / ".cache" / "tokenmill" / "models"
 DEFAULT_PRESET = "small-moe"
+VLLM_PRESET = "small-llama"  # `--engine vllm`: the smallest shape vLLM's CPU attention runs (head size 64)
 MIN_TOKEN_ID = 3  # ids 0..2 are the presets' special tokens
 
 
@@ -92,20 +93,20 @@ def workload_json(specs: Sequence[RequestSpec], classes: Sequence[str]) -> dict[
 
 # --------------------------------------------------------------------------- model
 
-def resolve_model(model: str | None) -> Path:
-    """--model, or the cached small-moe checkpoint, written once (atomically) when missing."""
+def resolve_model(model: str | None, preset: str = DEFAULT_PRESET) -> Path:
+    """--model, or the cached checkpoint of `preset`, written once (atomically) when missing."""
     if model is not None:
         return Path(model)
-    target = MODEL_CACHE / f"{DEFAULT_PRESET}-seed0"
+    target = MODEL_CACHE / f"{preset}-seed0"
     if (target / "config.json").is_file():
         return target
     from tokenmill.engine.make_model import write_model
 
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)
     # write beside it, then rename: a concurrent run never sees a half-written checkpoint
-    partial = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_PRESET}-", dir=MODEL_CACHE))
-    log.info("making %s in %s", DEFAULT_PRESET, target)
-    write_model(DEFAULT_PRESET, partial, seed=0)
+    partial = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=MODEL_CACHE))
+    log.info("making %s in %s", preset, target)
+    write_model(preset, partial, seed=0)
     try:
         partial.rename(target)
     except OSError:  # another run got there first: use its copy

@@ -27,11 +27,13 @@ from tokenmill.engine.request import Request
 from tokenmill.engines import VLLM
 from tokenmill.engines.adapter import EngineInfo, EngineStartError
 from tokenmill.engines.vllm.config import EventEndpoints, engine_args_from
+from tokenmill.engines.vllm.connector_scheduler import REMOTE_DECODE, REMOTE_PREFILL
 from tokenmill.engines.vllm.events import VLLMEventBridge
+from tokenmill.engines.vllm.handoff import RemotePrefill
 from tokenmill.engines.vllm.requests import finish_reason, token_logprobs, vllm_params, vllm_prompt
 from tokenmill.engines.vllm.stats import LoadBook, RequestBlocks, logger_for
 from tokenmill.kv.events import KVEventEmitter
-from tokenmill.textgen.outputs import FINISH_STOP, RequestOutput
+from tokenmill.textgen.outputs import FINISH_HANDOFF, FINISH_STOP, RequestOutput
 from tokenmill.textgen.sampling import SamplingParams
 from tokenmill.textgen.tokenizer import Tokenizer
 
@@ -42,7 +44,7 @@ WATCHDOG_INTERVAL_S = 0.5
 
 class VLLMEngine:
     def __init__(self, engine_args: Any, endpoints: EventEndpoints, run_dir: Path, worker_id: str,
-                 block_size: int, tokenizer: Tokenizer) -> None:
+                 block_size: int, tokenizer: Tokenizer, moves_kv: bool = False) -> None:
         self._engine_args = engine_args
         self._endpoints = endpoints
         self._run_dir = run_dir
@@ -57,6 +59,8 @@ class VLLMEngine:
         self._vocab_size = 0
         self._num_blocks = 0
         self._watchdog: asyncio.Task | None = None
+        self._moves_kv = moves_kv  # a prefill or decode worker: vLLM runs tokenmill's connector
+        self._handles: dict[str, dict[str, Any]] = {}  # request id -> its handoff's handle, until taken
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, worker_id: str) -> VLLMEngine:
@@ -65,7 +69,8 @@ class VLLMEngine:
         try:
             endpoints = EventEndpoints.in_dir(run_dir)
             engine_args = engine_args_from(args, endpoints)
-            return cls(engine_args, endpoints, run_dir, worker_id, args.block_size, Tokenizer(args.model))
+            return cls(engine_args, endpoints, run_dir, worker_id, args.block_size, Tokenizer(args.model),
+                       moves_kv=args.role != "agg")
         except BaseException:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
@@ -159,8 +164,13 @@ class VLLMEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        extra_key: str | None = None, output_offset: int = 0, text_pending: int = 0, *,
                        prefill_only: bool = False, kv_import: Any = None) -> AsyncIterator[RequestOutput]:
-        if prefill_only or kv_import is not None:
-            raise ValueError("a vLLM worker does not hand KV off to other workers")
+        """`prefill_only`: one token, then the prompt's KV held for a decode worker (the last delta
+        ends with FINISH_HANDOFF and `take_handle` has the connector's handle); `kv_import` (a
+        `RemotePrefill`): the prompt's KV is pulled from the prefill worker that holds it."""
+        if (prefill_only or kv_import is not None) and not self._moves_kv:
+            raise ValueError("an agg vLLM worker does not hand KV off to other workers")
+        if kv_import is not None and not isinstance(kv_import, RemotePrefill):
+            raise ValueError("a vLLM worker pulls KV only through its connector's handles")
         self._validate(prompt_token_ids)
         request = Request(request_id, list(prompt_token_ids), params, extra_key, output_offset, text_pending)
         output = self._output
@@ -168,10 +178,12 @@ class VLLMEngine:
             raise RuntimeError("the vLLM engine has not started")
         output.add(request)
         book = self._book.requests[request_id] = RequestBlocks(len(prompt_token_ids))
-        stream = self._llm.generate(vllm_prompt(prompt_token_ids, extra_key), vllm_params(params), request_id)
+        handoff = prefill_only and params.max_tokens != 1  # a one-token request simply ends here
+        stream = self._llm.generate(vllm_prompt(prompt_token_ids, extra_key),
+                                    self._transfer_params(vllm_params(params), handoff, kv_import), request_id)
         try:
             async for out in stream:
-                delta = self._delta(request, book, out)
+                delta = self._delta(request, book, out, handoff)
                 yield delta
                 if delta.finished:
                     break
@@ -179,6 +191,20 @@ class VLLMEngine:
             output.remove(request_id)
             self._book.requests.pop(request_id, None)
             await stream.aclose()  # before vLLM finished: this aborts it there, which frees its blocks
+
+    def take_handle(self, request_id: str) -> dict[str, Any] | None:
+        """The connector's handle for a request that ended with FINISH_HANDOFF (None if vLLM held
+        nothing: the decode worker then computes the prompt itself)."""
+        return self._handles.pop(request_id, None)
+
+    @staticmethod
+    def _transfer_params(params: Any, handoff: bool, kv_import: RemotePrefill | None) -> Any:
+        if handoff:
+            params.max_tokens = 1
+            params.extra_args = {"kv_transfer_params": {REMOTE_DECODE: True}}
+        elif kv_import is not None:
+            params.extra_args = {"kv_transfer_params": {**kv_import.handle, REMOTE_PREFILL: True}}
+        return params
 
     def _validate(self, prompt: list[int]) -> None:
         """The own engine's checks and messages, so a client sees the same error whichever serves."""
@@ -190,25 +216,34 @@ class VLLMEngine:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self._vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {self._vocab_size})")
 
-    def _delta(self, request: Request, book: RequestBlocks, out: Any) -> RequestOutput:
+    def _delta(self, request: Request, book: RequestBlocks, out: Any, handoff: bool = False) -> RequestOutput:
         """One vLLM delta as tokenmill's, its tokens fed to the text one at a time so a stop string
-        ends the request at the token that completed it (as on the own engine)."""
+        ends the request at the token that completed it (as on the own engine). A handoff's text
+        stays pending when any of it is held back: the decode worker continues it."""
         completion = out.outputs[0]
         new = list(completion.token_ids)
         reason = finish_reason(completion.finish_reason) if out.finished else None
+        handed = handoff and out.finished and completion.finish_reason == "length"  # its one token, no stop
         stop_reason = completion.stop_reason
         text = ""
         for i, token in enumerate(new):
             last = i == len(new) - 1
-            piece, matched = self._output.text_delta(request, [token], out.finished and last)
+            piece, matched = self._output.text_delta(request, [token], out.finished and last and not handed)
             text += piece
             if matched is not None:
-                new, reason, stop_reason = new[:i + 1], FINISH_STOP, matched
+                new, reason, stop_reason, handed = new[:i + 1], FINISH_STOP, matched, False
                 break
         request.output_token_ids.extend(new)
         book.cached_tokens = out.num_cached_tokens or 0
         book.output_tokens = len(request.output_token_ids)
         logprobs = token_logprobs(new, completion.logprobs, request.params.logprobs)
+        pending = self._output.pending_tokens(request.request_id)
+        if handed:
+            if out.kv_transfer_params is not None:
+                self._handles[request.request_id] = dict(out.kv_transfer_params)
+            reason, stop_reason = FINISH_HANDOFF, None
+            if self._output.holds_text(request.request_id):
+                text, pending = "", len(request.output_token_ids)
         return RequestOutput(request.request_id, new, text, reason is not None, reason,
                              request.num_prompt_tokens, len(request.output_token_ids), book.cached_tokens,
-                             logprobs, stop_reason, self._output.pending_tokens(request.request_id))
+                             logprobs, stop_reason, pending)

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.engines.options import parse_engine_args
+from tokenmill.engines.options import check_vllm_transfer_backends, parse_engine_args
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,20 @@ def mapped_argv(args: argparse.Namespace, endpoints: EventEndpoints) -> list[str
         argv += ["--kv-cache-memory-bytes", str(int(kv_gb * GIB))]
     if args.no_prefix_caching:
         argv.append("--no-enable-prefix-caching")
+    if args.role != "agg":
+        argv += ["--kv-transfer-config", json.dumps(connector_config(args))]
     return argv
+
+
+def connector_config(args: argparse.Namespace) -> dict:
+    """vLLM's KV transfer config for a prefill or decode worker: tokenmill's connector, a failed
+    pull recomputed (vLLM's default would fail the request)."""
+    check_vllm_transfer_backends(args.kv_transfer_backends)
+    return {"kv_connector": "TokenmillConnector", "kv_connector_module_path": "tokenmill.engines.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"worker_id": args.worker_id, "hold_timeout_s": args.kv_hold_timeout_s,
+                                          "pull_timeout_s": args.kv_pull_timeout_s, "faults": args.transfer_faults,
+                                          "tcp_host": args.kv_transfer_host, "advertise_host": args.advertise_host}}
 
 
 def engine_arg_argv(parser: argparse.ArgumentParser, pairs: list[str]) -> list[str]:

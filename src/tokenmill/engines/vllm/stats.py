@@ -48,7 +48,8 @@ class TotalsLogger(StatLoggerBase):
             t.hit_tokens += scheduler_stats.prefix_cache_stats.hits
         if iteration_stats is not None:
             t.num_steps += 1
-            t.prefill_tokens += iteration_stats.num_prompt_tokens
+            # computed here, as the own engine counts them: not prefix hits, nor KV pulled from a prefill worker
+            t.prefill_tokens += iteration_stats.prompt_token_stats.computed
             t.decode_tokens += iteration_stats.num_generation_tokens
             t.num_preemptions += iteration_stats.num_preempted_reqs
 
