@@ -143,3 +143,29 @@ def test_a_prefill_side_gone_during_the_pull_fails_it(sides) -> None:
     prefill.worker.close()  # its process died while the decode side waited to pull
     until(lambda: (decode.poll(), "decode-req" in decode.received)[1], "the pull to end")
     assert decode.failed == {"decode-req"}
+
+
+def test_an_abort_after_the_handoff_releases_the_prefill_side_at_once(sides) -> None:
+    """The worker server's side (`VLLMHandoff`): the handle from the last prefill output is passed
+    on, and the frontend's abort (its client left before a decode worker pulled) frees the blocks."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tokenmill.engines.vllm.handoff import VLLMHandoff
+
+    prefill = sides("prefill")
+    handle = hand_off(prefill, "vllm-req-1", [1, 2])
+
+    async def scenario() -> dict | None:
+        handoff = VLLMHandoff("prefill-0", hold_timeout_s=HOLD_S)
+        await handoff.start(SimpleNamespace(take_handle=lambda request_id: handle if request_id == "req-1" else None))
+        try:
+            passed_on = await handoff.handle_for(SimpleNamespace(request_id="req-1"))
+            assert await handoff.handle_for(SimpleNamespace(request_id="req-2")) is None  # vLLM held nothing
+            await handoff.release("req-1", "aborted")
+            return passed_on
+        finally:
+            await handoff.close()
+
+    assert asyncio.run(scenario()) == handle
+    until(lambda: (prefill.poll(), "vllm-req-1" in prefill.sent)[1], "the release")

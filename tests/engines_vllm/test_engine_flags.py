@@ -2,6 +2,7 @@
 options are checked by its venv's interpreter, so a bad one is named by vLLM's own parser)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,34 @@ def test_the_worker_accepts_good_vllm_options(small_llama: Path) -> None:
                        "--max-num-batched-tokens", "1024")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "accepted" in result.stdout
+
+
+COMPOSED = """
+import argparse, json, sys, tempfile
+from pathlib import Path
+from tokenmill.engines.vllm.config import EventEndpoints, engine_args_from
+from tokenmill.worker.main import add_arguments
+parser = argparse.ArgumentParser()
+add_arguments(parser)
+args = parser.parse_args(sys.argv[1:])
+args.block_size = 32
+config = engine_args_from(args, EventEndpoints.in_dir(Path(tempfile.mkdtemp()))).kv_transfer_config
+print(json.dumps({"connector": config.kv_connector, "policy": config.kv_load_failure_policy,
+                  "extra": config.kv_connector_extra_config}))
+"""
+
+
+def test_a_decode_worker_with_vllm_offload_runs_both_connectors(small_llama: Path, tmp_path: Path) -> None:
+    """vLLM would replace the transfer connector with its offloading one: the worker composes both
+    in vLLM's MultiConnector instead (its offload itself runs on CUDA hosts only; see docs/vllm.md)."""
+    result = subprocess.run([str(VLLM_PYTHON), "-c", COMPOSED, "--model", str(small_llama), "--engine", "vllm",
+                             "--role", "decode", "--discovery", f"file:{tmp_path / 'registry'}",
+                             "--engine-arg", "kv_offloading_size=2"],
+                            capture_output=True, text=True, timeout=CHECK_S)
+    assert result.returncode == 0, result.stderr[-2000:]
+    config = json.loads(result.stdout.strip().splitlines()[-1])
+    assert config["connector"] == "MultiConnector" and config["policy"] == "recompute"
+    first, second = config["extra"]["connectors"]
+    assert first["kv_connector"] == "TokenmillConnector" and first["kv_connector_extra_config"]["worker_id"]
+    assert second == {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"cpu_bytes_to_use": 2 * (1 << 30)}}

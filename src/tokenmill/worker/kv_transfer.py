@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import torch
 
 from tokenmill.engine.async_engine import AsyncLLMEngine, KVImport
@@ -42,12 +41,11 @@ from tokenmill.transfer import (
     KVLayout,
     SharedTensor,
     TransferAgent,
-    TransferError,
-    TransferHandle,
     allocate_shared_tensor,
     kv_block_descriptors,
     kv_pair_descriptors,
 )
+from tokenmill.transfer.releases import PeerBook, released_request, send_release
 from tokenmill.worker.transfer_faults import TransferFaults
 
 log = logging.getLogger(__name__)
@@ -84,7 +82,7 @@ class KVTransferService:
         self.pool: SharedTensor | None = None
         self.layout: KVLayout | None = None
         self._engine: AsyncLLMEngine | None = None
-        self._peers: dict[str, dict[str, Any]] = {}  # name -> the metadata add_remote got
+        self._peers = PeerBook(self.agent)
         self._tasks: set[asyncio.Task[None]] = set()
         self._drop_lock = asyncio.Lock()
 
@@ -135,12 +133,8 @@ class KVTransferService:
 
     async def _release_on_notification(self) -> None:
         async for note in self.agent.notifications():
-            try:
-                request_id = str(msgpack.unpackb(note.message)["release"])
-            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-                log.warning("bad notification from %s: %s", note.sender, exc)
-                continue
-            if self._engine is not None and await self._engine.release_held(request_id):
+            request_id = released_request(note)
+            if request_id is not None and self._engine is not None and await self._engine.release_held(request_id):
                 self.counters.released_by_ack += 1
 
     async def _release_expired(self) -> None:
@@ -211,7 +205,7 @@ class KVTransferService:
         except ValueError as exc:  # e.g. no backend reaches the peer
             return f"bad handle: {exc}"
         if self.faults.drop:
-            self._spawn(self._drop_connection(transfer, peer))
+            self._spawn(self._peers.drop_connection(transfer, peer))
         try:
             await transfer.wait()
         except asyncio.CancelledError:
@@ -219,7 +213,7 @@ class KVTransferService:
             await asyncio.shield(transfer.wait())
             raise
         if not transfer.ok:
-            self._forget(peer)  # reconnect (or learn of a restart) next time
+            self._peers.forget(peer)  # reconnect (or learn of a restart) next time
             return f"transfer: {transfer.reason}"
         self.counters.bytes += transfer.bytes
         if self.faults.corrupt:
@@ -259,40 +253,17 @@ class KVTransferService:
         remote_layout = KVLayout.from_dict(handle["layout"])
         if len(expected) != len(remote_ids):
             raise ValueError("one checksum per block is required")
-        peer = self._remote(handle["agent"])
+        peer = self._peers.remote(handle["agent"])
         src, dst = kv_pair_descriptors(remote_layout, REGION, remote_ids, self.layout, REGION, plan.block_ids)
         return peer, src, dst, expected
 
-    def _remote(self, metadata: dict[str, Any]) -> str:
-        name = str(metadata["name"])
-        if self._peers.get(name) != metadata:
-            self.agent.add_remote(metadata)
-            self._peers[name] = metadata
-        return name
-
-    async def _drop_connection(self, transfer: TransferHandle, peer: str) -> None:
-        """Fault: cut the connection at the first await the transfer makes once it has one."""
-        while not transfer.done():
-            self._forget(peer)
-            await asyncio.sleep(0)
-
-    def _forget(self, name: str) -> None:
-        self._peers.pop(name, None)
-        self.agent.remove_remote(name)
-
-    async def _send_release(self, handle: dict[str, Any], request_id: str, attempts: int = 3) -> None:
-        """Tell the prefill worker to free the blocks; retried, as a dropped connection is likely
-        right after a failed pull (and the prefill worker times the hold out if all fail)."""
-        for attempt in range(attempts):
-            try:
-                name = self._remote(handle["agent"])
-                await self.agent.notify(name, msgpack.packb({"release": request_id}))
-                return
-            except (OSError, ValueError, KeyError, TypeError, TransferError) as exc:
-                if attempt == attempts - 1:
-                    log.info("could not tell the prefill worker to release %s: %s", request_id, exc)
-                else:
-                    await asyncio.sleep(0.05 * (attempt + 1))
+    async def _send_release(self, handle: dict[str, Any], request_id: str) -> None:
+        try:
+            holder = handle["agent"]
+        except (KeyError, TypeError):
+            log.info("no agent in the handle of %s to release it with", request_id)
+            return
+        await send_release(self._peers, holder, request_id)
 
     # -- helpers --------------------------------------------------------------------------
 

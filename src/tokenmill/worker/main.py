@@ -164,9 +164,13 @@ def _event_plane(args: argparse.Namespace):
 
 
 def _check_transfer_flags(args: argparse.Namespace) -> None:
+    """Before any engine starts (a vLLM worker's connector reads them in vLLM's processes)."""
+    from tokenmill.worker.transfer_faults import TransferFaults
+
     for flag in ("kv_hold_timeout_s", "kv_pull_timeout_s"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive")
+    TransferFaults.parse(args.transfer_faults)
 
 
 def _transfer_service(args: argparse.Namespace, mock_transfer_seconds: Callable[[int], float] | None = None):

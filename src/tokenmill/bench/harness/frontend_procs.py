@@ -10,43 +10,12 @@ import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from tokenmill.bench.harness.serve_observe import cpu_seconds
+from tokenmill.bench.harness.serve_observe import cpu_seconds, descendants, parent_map
 
 log = logging.getLogger(__name__)
 
 FRONTEND, WORKER = "frontend", "worker"
 ROLES = (FRONTEND, WORKER)
-
-
-def parent_map() -> dict[int, int]:
-    """pid → ppid of every live process."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # the command name in parentheses may hold spaces or ')': split after the last one
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            parents[int(entry.name)] = int(fields[1])
-        except (OSError, IndexError, ValueError):
-            continue  # exited while we read it
-    return parents
-
-
-def descendants(root: int, parents: Mapping[int, int] | None = None) -> set[int]:
-    """Every live process below `root`: children, their children, … whatever their session."""
-    parents = parent_map() if parents is None else parents
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parents.items():
-        children.setdefault(ppid, []).append(pid)
-    found: set[int] = set()
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), ()):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
 
 
 def classify(frontend_pid: int, worker_pids: Iterable[int]) -> dict[int, str]:

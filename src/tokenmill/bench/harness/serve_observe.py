@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,37 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def parent_map() -> dict[int, int]:
+    """pid → ppid of every live process."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # the command name in parentheses may hold spaces or ')': split after the last one
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            parents[int(entry.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we read it
+    return parents
+
+
+def descendants(root: int, parents: Mapping[int, int] | None = None) -> set[int]:
+    """Every live process below `root`: children, their children, … whatever their session."""
+    parents = parent_map() if parents is None else parents
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    found: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
 def host_busy_seconds() -> float | None:
     """CPU seconds the whole host has spent busy (all cores, every process), from /proc/stat."""
     try:
@@ -46,12 +78,17 @@ def host_busy_seconds() -> float | None:
 
 
 def cpu_snapshot(server: ServeProcess) -> dict[str, float | None]:
-    """CPU seconds so far of each worker ("id (role)"), the frontend, this load generator ("client")
-    and the whole host ("host"): the box is shared, so the report says what else ran."""
+    """CPU seconds so far of each worker ("id (role)", with its child processes), the frontend, this
+    load generator ("client") and the whole host ("host"): the box is shared, so the report says
+    what else ran."""
     snap: dict[str, float | None] = {HOST_KEY: host_busy_seconds(), CLIENT_KEY: cpu_seconds(os.getpid()),
                                      FRONTEND_KEY: cpu_seconds(server.process.pid)}
+    parents = parent_map()
     for info in server.registry():
-        snap[f"{info.get('worker_id', info['pid'])} ({info.get('role', '?')})"] = cpu_seconds(int(info["pid"]))
+        pid = int(info["pid"])
+        seconds = [cpu_seconds(p) for p in (pid, *descendants(pid, parents))]
+        key = f"{info.get('worker_id', pid)} ({info.get('role', '?')})"
+        snap[key] = None if seconds[0] is None else sum(s for s in seconds if s is not None)
     return snap
 
 

@@ -142,7 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="run one arm only (calibration); the comparison needs both")
     arms.add_argument("--engine", choices=tuple(ENGINE_FLAGS), default="own",
                       help="both arms' workers: tokenmill's own engine, or vLLM (from .venv-vllm; its KV moves "
-                           "through tokenmill's connector; default model: the small-llama preset)")
+                           "through tokenmill's connector; default model: the small-llama preset, a toy whose "
+                           "steps are mostly overhead: --model .models/smollm2-135m-instruct for a 135M model)")
     arms.add_argument("--start-timeout-s", type=float, default=180.0)
     run_group = parser.add_argument_group("run and report")
     run_group.add_argument("--warmup-requests", type=int, default=4,

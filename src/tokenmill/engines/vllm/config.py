@@ -34,6 +34,7 @@ GIB = 1 << 30
 # Without a KV size vLLM's CPU backend reserves 92% of the host's memory, and refuses to start unless
 # that much is free: wrong for several workers (or anything else) on one host. A size skips that.
 CPU_KV_CACHE_GB = 1.0
+CONNECTOR = "TokenmillConnector"  # engines/vllm/connector.py, vLLM loads it by module path
 
 
 @dataclass(slots=True)
@@ -59,9 +60,36 @@ def engine_args_from(args: argparse.Namespace, endpoints: EventEndpoints):
     if engine_args.block_size != args.block_size:
         raise ValueError(f"--block-size {args.block_size}: vLLM was given block_size {engine_args.block_size}; the "
                          "routers hash blocks of --block-size tokens, so give the size there instead")
+    if args.role != "agg":
+        _compose_connectors(engine_args)
     check_block_size(args.block_size)
     _apply_environment(args)
     return engine_args
+
+
+def _compose_connectors(engine_args) -> None:
+    """A prefill or decode worker's transfer connector, and vLLM's own CPU offload beside it when
+    `kv_offloading_size` is given: vLLM would otherwise replace the transfer connector with its
+    offloading one, so both go into vLLM's MultiConnector (ours first: it does the loads)."""
+    from vllm.config import KVTransferConfig
+
+    ours = engine_args.kv_transfer_config
+    if getattr(ours, "kv_connector", None) != CONNECTOR:
+        raise ValueError("--engine-arg kv_transfer_config: a prefill or decode vLLM worker moves KV through "
+                         f"tokenmill's {CONNECTOR}; leave vLLM's KV transfer config to --role")
+    if engine_args.kv_offloading_size is None:
+        return
+    if engine_args.kv_offloading_backend != "native":
+        raise ValueError(f"--engine-arg kv_offloading_backend={engine_args.kv_offloading_backend}: a prefill or "
+                         "decode vLLM worker composes vLLM's native offload with its transfer connector only")
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"cpu_bytes_to_use": engine_args.kv_offloading_size * GIB}}
+    mine = {"kv_connector": CONNECTOR, "kv_role": ours.kv_role, "kv_connector_module_path": ours.kv_connector_module_path,
+            "kv_connector_extra_config": ours.kv_connector_extra_config}
+    engine_args.kv_transfer_config = KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both", kv_load_failure_policy=ours.kv_load_failure_policy,
+        kv_connector_extra_config={"connectors": [mine, offload]})
+    engine_args.kv_offloading_size = None
 
 
 def vllm_parser() -> argparse.ArgumentParser:
@@ -106,7 +134,7 @@ def connector_config(args: argparse.Namespace) -> dict:
     """vLLM's KV transfer config for a prefill or decode worker: tokenmill's connector, a failed
     pull recomputed (vLLM's default would fail the request)."""
     check_vllm_transfer_backends(args.kv_transfer_backends)
-    return {"kv_connector": "TokenmillConnector", "kv_connector_module_path": "tokenmill.engines.vllm.connector",
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": "tokenmill.engines.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"worker_id": args.worker_id, "hold_timeout_s": args.kv_hold_timeout_s,
                                           "pull_timeout_s": args.kv_pull_timeout_s, "faults": args.transfer_faults,

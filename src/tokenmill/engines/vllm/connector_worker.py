@@ -25,11 +25,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from tokenmill.engines.vllm.connector_jobs import LoadJob, SealJob, StepJobs, stamp
-from tokenmill.transfer import Backend, Descriptor, TransferAgent, TransferError, host_region
+from tokenmill.transfer import Backend, Descriptor, TransferAgent, host_region
+from tokenmill.transfer.releases import PeerBook, released_request, send_release
 from tokenmill.worker.transfer_faults import TransferFaults
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class WorkerSide:
         self._failed: set[str] = set()
         self._releases: dict[str, float] = {}  # id -> when its release arrived (maybe before it is held)
         self._held: dict[str, float] = {}  # id -> hold deadline
-        self._peers: dict[str, dict[str, Any]] = {}
+        self._peers = PeerBook(self.agent)
         self._releases_task: asyncio.Task[None] | None = None
 
     # -- setup ------------------------------------------------------------------------------
@@ -136,13 +136,10 @@ class WorkerSide:
 
     async def _take_releases(self) -> None:
         async for note in self.agent.notifications():
-            try:
-                request_id = str(msgpack.unpackb(note.message)["release"])
-            except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-                log.warning("bad notification from %s: %s", note.sender, exc)
-                continue
-            with self._lock:
-                self._releases[request_id] = time.monotonic()
+            request_id = released_request(note)
+            if request_id is not None:
+                with self._lock:
+                    self._releases[request_id] = time.monotonic()
 
     # -- decode side --------------------------------------------------------------------------
 
@@ -158,7 +155,8 @@ class WorkerSide:
                 (self._failed if reason is not None else self._received).add(job.request_id)
             if reason is not None:
                 log.warning("KV pull for %s failed (%s); recomputing its prompt", job.request_id, reason)
-        await self._send_release(job.handle)
+        if isinstance(job.handle.get("agent"), dict):
+            await send_release(self._peers, job.handle["agent"], str(job.handle.get("remote_request_id", "")))
 
     async def _pull(self, job: LoadJob) -> str | None:
         """None when every block arrived and verified, else why not."""
@@ -168,7 +166,7 @@ class WorkerSide:
             return f"bad handle: {len(remote_ids)} remote blocks for {len(job.block_ids)} local ones"
         if handle.get("layout") != self.layout:
             return "bad handle: the prefill worker's KV layout differs from this worker's"
-        peer = self._remote(handle["agent"])
+        peer = self._peers.remote(handle["agent"])
         if self.faults.delay_s:
             await asyncio.sleep(self.faults.delay_s)
         src = [d for b in remote_ids for d in self._block_descriptors(b)]
@@ -177,10 +175,10 @@ class WorkerSide:
         rows_in = [Descriptor(SUMS_IN, b * ROW_BYTES, ROW_BYTES) for b in job.block_ids]
         for what, transfer in (("KV", self.agent.read(peer, src, dst, timeout=self.pull_timeout_s)),
                                ("checksums", self.agent.read(peer, rows, rows_in, timeout=self.pull_timeout_s))):
-            faults = [self._drop_connection(transfer, peer)] if self.faults.drop else []
+            faults = [self._peers.drop_connection(transfer, peer)] if self.faults.drop else []
             await asyncio.gather(transfer.wait(), *faults)
             if not transfer.ok:
-                self._forget(peer)
+                self._peers.forget(peer)
                 return f"transfer of the {what}: {transfer.reason}"
         if self.faults.corrupt:
             self._flip(job.block_ids[-1])
@@ -192,35 +190,6 @@ class WorkerSide:
             if int(checksum) != self._checksum(block_id):
                 return "checksum: the received KV does not match the prefill worker's"
         return None
-
-    async def _send_release(self, handle: dict[str, Any], attempts: int = 3) -> None:
-        request_id = str(handle.get("remote_request_id", ""))
-        for attempt in range(attempts):
-            try:
-                await self.agent.notify(self._remote(handle["agent"]), msgpack.packb({"release": request_id}))
-                return
-            except (OSError, ValueError, KeyError, TypeError, TransferError) as exc:
-                if attempt == attempts - 1:
-                    log.info("could not tell the prefill worker to release %s: %s", request_id, exc)
-                else:
-                    await asyncio.sleep(0.05 * (attempt + 1))
-
-    async def _drop_connection(self, transfer: Any, peer: str) -> None:
-        """Fault injection: cut the connection at the first await the transfer makes once it has one."""
-        while not transfer.done():
-            self._forget(peer)
-            await asyncio.sleep(0)
-
-    def _remote(self, metadata: dict[str, Any]) -> str:
-        name = str(metadata["name"])
-        if self._peers.get(name) != metadata:
-            self.agent.add_remote(metadata)
-            self._peers[name] = metadata
-        return name
-
-    def _forget(self, name: str) -> None:
-        self._peers.pop(name, None)
-        self.agent.remove_remote(name)
 
     # -- bytes --------------------------------------------------------------------------------
 

@@ -22,9 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
-from tokenmill.transfer import TcpBackend, TransferAgent, TransferError
+from tokenmill.transfer import TcpBackend, TransferAgent
+from tokenmill.transfer.releases import PeerBook, send_release
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +38,10 @@ class VLLMHandoff:
     def __init__(self, worker_id: str, hold_timeout_s: float) -> None:
         self.hold_timeout_s = hold_timeout_s
         self._agent = TransferAgent(f"{worker_id}-handoff-{uuid.uuid4().hex[:8]}", [TcpBackend()])
+        self._peers = PeerBook(self._agent)
         self._engine: Any = None
         self._handed: dict[str, tuple[float, dict[str, Any]]] = {}  # request id -> (when, handle)
         self.handles = 0
-        self.released_by_abort = 0
 
     async def start(self, engine: Any) -> None:
         self._engine = engine
@@ -72,13 +71,8 @@ class VLLMHandoff:
         if kept is None:
             return
         handle = kept[1]
-        try:
-            peer = self._agent.add_remote(handle["agent"])
-            await self._agent.notify(peer, msgpack.packb({"release": handle["remote_request_id"]}))
-            self.released_by_abort += 1
+        if await send_release(self._peers, handle["agent"], str(handle["remote_request_id"])):
             log.debug("released the KV of %s (%s)", request_id, why)
-        except (OSError, ValueError, KeyError, TypeError, TransferError) as exc:
-            log.info("could not release the KV of %s (%s): %s; it is freed at its hold timeout", request_id, why, exc)
 
     def kv_import(self, handle: object) -> RemotePrefill:
         if not isinstance(handle, dict):
