@@ -173,6 +173,8 @@ class WorkerSide:
         dst = [d for b in job.block_ids for d in self._block_descriptors(b)]
         rows = [Descriptor(SUMS, b * ROW_BYTES, ROW_BYTES) for b in remote_ids]
         rows_in = [Descriptor(SUMS_IN, b * ROW_BYTES, ROW_BYTES) for b in job.block_ids]
+        # both reads start at once: rows read before or after the KV, a block changed meanwhile
+        # fails its stamp or its checksum either way
         for what, transfer in (("KV", self.agent.read(peer, src, dst, timeout=self.pull_timeout_s)),
                                ("checksums", self.agent.read(peer, rows, rows_in, timeout=self.pull_timeout_s))):
             faults = [self._peers.drop_connection(transfer, peer)] if self.faults.drop else []
