@@ -173,8 +173,10 @@ def _worker_python(args: argparse.Namespace) -> str:
     from tokenmill.engines.options import engine_flags_argv, engine_python, engine_selection_argv
 
     python = engine_python(args)
+    # checked as a decode worker when disaggregated: its options are a prefill worker's and the faults
+    role = "decode" if args.prefill else "agg"
     check = [python, "-m", "tokenmill.cli", "--log-level", "WARNING", "worker", *engine_argv(args),
-             *engine_selection_argv(args), "--check-only", *engine_flags_argv(args)]
+             *engine_selection_argv(args), *_transfer_argv(args, role), "--check-only", *engine_flags_argv(args)]
     result = subprocess.run(check, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     if result.returncode != 0:
         lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -228,11 +230,17 @@ def _worker_argv(args: argparse.Namespace, name: str, role: str, run_dir: Path, 
         argv += ["--events-address", f"ipc://{sockets}/{name}-events.sock"]
     if args.max_queue is not None:
         argv += ["--max-queue", str(args.max_queue)]
-    if role != "agg":
-        argv += ["--role", role, "--kv-transfer-backends", args.kv_transfer_backends]
+    return argv + _transfer_argv(args, role) + engine_flags_argv(args)  # last: everything after its -- is vLLM's
+
+
+def _transfer_argv(args: argparse.Namespace, role: str) -> list[str]:
+    """A worker's role and the flags its KV transfers take (none for agg)."""
+    if role == "agg":
+        return []
+    argv = ["--role", role, "--kv-transfer-backends", args.kv_transfer_backends]
     if role == "decode" and args.transfer_faults:
         argv += ["--transfer-faults", args.transfer_faults]
-    return argv + engine_flags_argv(args)  # last: everything after its -- is vLLM's
+    return argv
 
 
 def _api_server_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:

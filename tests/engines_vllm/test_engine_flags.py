@@ -30,6 +30,9 @@ def tokenmill(python: str | Path, *argv: str) -> subprocess.CompletedProcess:
     (["--engine", "vllm", "--engine-python", "/nonexistent/python"], "--engine-python /nonexistent/python"),
     (["--engine", "vllm", "--prefill", "1", "--decode", "1", "--kv-transfer-backends", "shm"],
      "--kv-transfer-backends shm"),
+    (["--engine", "vllm", "--prefill", "1", "--decode", "1", "--engine-arg",
+      'kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'],
+     "--engine-arg kv_transfer_config"),
     (["--engine", "vllm", "--kv-host-gb", "1"], "--kv-host-gb"),
     (["--engine", "vllm", "--tp", "2"], "--tp"),
 ])
