@@ -13,15 +13,9 @@ from typing import Any
 import pytest
 
 from tokenmill.bench.harness.serve_observe import count_server_events, decisions_delta, parse_decisions
-from tokenmill.bench.kv.disagg_bench import (
-    AGGREGATED,
-    DISAGGREGATED,
-    LONG,
-    SHORT,
-    Mix,
-    build_workload,
-    expected_workers,
-)
+from tokenmill.bench.kv.disagg_bench import expected_workers
+from tokenmill.bench.kv.disagg_figures import AGGREGATED, DISAGGREGATED
+from tokenmill.bench.kv.disagg_workload import LONG, SHORT, Mix, build_workload
 from tokenmill.cli import main
 
 NUM_REQUESTS, LONG_PROMPT, SHORT_PROMPT, OUTPUT_LEN = 10, 96, 16, 6

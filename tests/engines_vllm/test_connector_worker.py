@@ -6,12 +6,12 @@ corrupted or dropped pull, blocks sealed since by another request, or a differen
 at its timeout."""
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
+from tests.serving.probes import wait
 from tokenmill.engines.vllm.connector_jobs import LoadJob, SealJob, StepJobs, stamp
 from tokenmill.engines.vllm.connector_worker import WorkerSide
 from tokenmill.transfer import TcpBackend
@@ -57,15 +57,6 @@ def sides() -> Iterator[Callable[..., Side]]:
         side.worker.close()
 
 
-def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def hand_off(prefill: Side, request_id: str, block_ids: list[int]) -> dict:
     """The prefill side's end of a request: its blocks sealed, held, and the handle vLLM's scheduler side returns."""
     prefill.worker.seal(StepJobs(seals=[SealJob(request_id, block_ids)]))
@@ -77,8 +68,8 @@ def hand_off(prefill: Side, request_id: str, block_ids: list[int]) -> dict:
 
 def pull(decode: Side, prefill: Side, handle: dict, local: list[int], first_block: int = 0) -> None:
     decode.worker.start_loads(StepJobs(loads=[LoadJob("decode-req", handle, first_block, local)]))
-    until(lambda: (decode.poll(), "decode-req" in decode.received)[1], "the pull to end")
-    until(lambda: (prefill.poll(), handle["remote_request_id"] in prefill.sent)[1], "the prefill side's release")
+    wait(lambda: (decode.poll(), "decode-req" in decode.received)[1], "the pull to end")
+    wait(lambda: (prefill.poll(), handle["remote_request_id"] in prefill.sent)[1], "the prefill side's release")
 
 
 def test_a_pull_copies_every_layer_byte_for_byte_and_releases_the_prefill_side(sides) -> None:
@@ -123,7 +114,7 @@ def test_a_release_only_job_is_not_reported_received(sides) -> None:
     prefill, decode = sides("prefill"), sides("decode")
     handle = hand_off(prefill, "req-1", [1, 2])
     decode.worker.start_loads(StepJobs(loads=[LoadJob("decode-req", handle, 0, [])]))
-    until(lambda: (prefill.poll(), "req-1" in prefill.sent)[1], "the prefill side's release")
+    wait(lambda: (prefill.poll(), "req-1" in prefill.sent)[1], "the prefill side's release")
     decode.poll()
     assert decode.received == set() and decode.failed == set()
 
@@ -133,7 +124,7 @@ def test_an_unacknowledged_hold_ends_at_its_timeout(sides) -> None:
     hand_off(prefill, "req-1", [1, 2])
     prefill.poll()
     assert prefill.sent == set()
-    until(lambda: (prefill.poll(), "req-1" in prefill.sent)[1], "the hold timeout", 5)
+    wait(lambda: (prefill.poll(), "req-1" in prefill.sent)[1], "the hold timeout", 5)
 
 
 def test_a_prefill_side_gone_during_the_pull_fails_it(sides) -> None:
@@ -141,7 +132,7 @@ def test_a_prefill_side_gone_during_the_pull_fails_it(sides) -> None:
     handle = hand_off(prefill, "req-1", [1, 2])
     decode.worker.start_loads(StepJobs(loads=[LoadJob("decode-req", handle, 0, [3, 4])]))
     prefill.worker.close()  # its process died while the decode side waited to pull
-    until(lambda: (decode.poll(), "decode-req" in decode.received)[1], "the pull to end")
+    wait(lambda: (decode.poll(), "decode-req" in decode.received)[1], "the pull to end")
     assert decode.failed == {"decode-req"}
 
 
@@ -168,4 +159,4 @@ def test_an_abort_after_the_handoff_releases_the_prefill_side_at_once(sides) -> 
             await handoff.close()
 
     assert asyncio.run(scenario()) == handle
-    until(lambda: (prefill.poll(), "vllm-req-1" in prefill.sent)[1], "the release")
+    wait(lambda: (prefill.poll(), "vllm-req-1" in prefill.sent)[1], "the release")

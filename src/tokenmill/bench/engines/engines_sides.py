@@ -27,6 +27,7 @@ import httpx
 from tokenmill.bench.engines.engines_report import Goal
 from tokenmill.bench.harness.serve_process import (
     HOST,
+    VLLM_SERVE_FLAGS,
     ServeProcess,
     free_port,
     launch,
@@ -116,9 +117,8 @@ def _vllm_worker(cfg: EnginesConfig, name: str, max_model_len: int, workers: int
                  extra: Sequence[str] = ()) -> Side:
     """`tokenmill serve --engine vllm` from this venv, as a user runs it: the frontend here, the
     workers under the vLLM venv's python."""
-    flags = ("--engine", "vllm", "--engine-python", str(cfg.engine_python), "--model", str(cfg.model),
-             "--served-model-name", SERVED_NAME, "--engine-arg", "dtype=float32", "--engine-arg", "enforce_eager=true",
-             "--max-model-len", str(max_model_len), "--block-size", str(BLOCK_SIZE), *extra)
+    flags = (*VLLM_SERVE_FLAGS, "--engine-python", str(cfg.engine_python), "--model", str(cfg.model),
+             "--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len), "--block-size", str(BLOCK_SIZE), *extra)
     return Side(name, SERVE, sys.executable, flags, workers, _vllm_env(cfg, workers))
 
 

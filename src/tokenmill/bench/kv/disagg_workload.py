@@ -21,7 +21,8 @@ LONG, SHORT = "long", "short"
 WARMUP_OUTPUT_TOKENS = 8
 MODEL_CACHE = Path.home() / ".cache" / "tokenmill" / "models"
 DEFAULT_PRESET = "small-moe"
-VLLM_PRESET = "small-llama"  # `--engine vllm`: the smallest shape vLLM's CPU attention runs (head size 64)
+# the default model per --engine; vLLM: the smallest shape its CPU attention runs (head size 64)
+PRESETS = {"own": DEFAULT_PRESET, "vllm": "small-llama"}
 MIN_TOKEN_ID = 3  # ids 0..2 are the presets' special tokens
 
 
@@ -93,10 +94,11 @@ def workload_json(specs: Sequence[RequestSpec], classes: Sequence[str]) -> dict[
 
 # --------------------------------------------------------------------------- model
 
-def resolve_model(model: str | None, preset: str = DEFAULT_PRESET) -> Path:
-    """--model, or the cached checkpoint of `preset`, written once (atomically) when missing."""
+def resolve_model(model: str | None, engine: str = "own") -> Path:
+    """--model, or the cached checkpoint of the engine's preset, written once (atomically) when missing."""
     if model is not None:
         return Path(model)
+    preset = PRESETS[engine]
     target = MODEL_CACHE / f"{preset}-seed0"
     if (target / "config.json").is_file():
         return target

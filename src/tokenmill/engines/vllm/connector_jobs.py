@@ -20,8 +20,7 @@ from typing import Any
 
 import xxhash
 
-# vLLM's KVConnectorMetadata / KVConnectorHandshakeMetadata are empty base classes; these classes
-# subclass them where vLLM is importable (connector.py) and stay plain data here.
+# Plain data, importable without vLLM: connector.py wraps a step's jobs in vLLM's metadata class.
 
 
 def stamp(request_id: str) -> int:

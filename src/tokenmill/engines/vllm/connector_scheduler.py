@@ -61,11 +61,14 @@ class SchedulerSide:
         self._jobs.loads.append(LoadJob(request.request_id, handle, first, list(block_ids[first:last])))
 
     def step_jobs(self, scheduled: dict[str, int], block_ids_of: Any) -> StepJobs:
-        """This step's jobs (and a fresh list for the next): seal every prefill request this step
-        computes (its last prefill step's seal is the one the handle's sums rows keep)."""
-        for request_id in self._producing:
-            if scheduled.get(request_id):
-                self._jobs.seals.append(SealJob(request_id, list(block_ids_of(request_id))))
+        """This step's jobs (and a fresh list for the next): seal each prefill request whose prompt
+        this step completes. vLLM builds the jobs before it advances `num_computed_tokens`, so a
+        request's count plus what is scheduled now says whether this is its last prefill step."""
+        for request_id, request in self._producing.items():
+            computing = scheduled.get(request_id, 0)
+            if computing and request.num_computed_tokens + computing >= request.num_prompt_tokens:
+                blocks = -(-request.num_prompt_tokens // self.block_size)
+                self._jobs.seals.append(SealJob(request_id, list(block_ids_of(request_id))[:blocks]))
         jobs, self._jobs = self._jobs, StepJobs()
         return jobs
 

@@ -3,8 +3,8 @@
 vLLM calls it from its model runner, one step at a time; its `TransferAgent` runs on an asyncio
 loop in a thread of its own, so pulls and notifications go on between and during steps.
 
-Prefill side: each attention layer's cache is registered as region `kv{i}`; at the end of every
-step that computed a prefill request's prompt, `seal` writes each of its blocks' checksum and the
+Prefill side: each attention layer's cache is registered as region `kv{i}`; at the end of the step
+that completes a prefill request's prompt, `seal` writes each of its blocks' checksum and the
 request's stamp into the `sums` region. Blocks vLLM holds for a finished request (`StepJobs.held`)
 are reported finished sending once a decode worker's `{"release": ID}` arrives, or after
 `hold_timeout_s`.
@@ -89,9 +89,11 @@ class WorkerSide:
             self._thread.join(timeout=10)
 
     async def _close(self) -> None:
-        if self._releases_task is not None:
-            self._releases_task.cancel()
-            await asyncio.gather(self._releases_task, return_exceptions=True)
+        """End what runs on the agent's loop (the release listener, pulls and releases in flight)."""
+        others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
         await self.agent.close()
 
     # -- each step ----------------------------------------------------------------------------
@@ -184,8 +186,11 @@ class WorkerSide:
                 return f"transfer of the {what}: {transfer.reason}"
         if self.faults.corrupt:
             self._flip(job.block_ids[-1])
-        expected = np.uint64(int(handle["stamp"]))
-        for block_id in job.block_ids:
+        # off the agent's loop: other pulls and the release notifications go on meanwhile
+        return await asyncio.to_thread(self._verify, job.block_ids, np.uint64(int(handle["stamp"])))
+
+    def _verify(self, block_ids: list[int], expected: np.uint64) -> str | None:
+        for block_id in block_ids:
             checksum, mark = self._sums_in[block_id]
             if mark != expected:
                 return "checksum: the prefill worker no longer holds these blocks"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,8 @@ class VLLMHandoff:
         self._agent = TransferAgent(f"{worker_id}-handoff-{uuid.uuid4().hex[:8]}", [TcpBackend()])
         self._peers = PeerBook(self._agent)
         self._engine: Any = None
-        self._handed: dict[str, tuple[float, dict[str, Any]]] = {}  # request id -> (when, handle)
+        # request id -> (when, handle), oldest first: the frontend may abort one within its hold
+        self._handed: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         self.handles = 0
 
     async def start(self, engine: Any) -> None:
@@ -62,7 +64,8 @@ class VLLMHandoff:
             return None
         self.handles += 1
         now = time.monotonic()
-        self._handed = {rid: kept for rid, kept in self._handed.items() if kept[0] + self.hold_timeout_s > now}
+        while self._handed and next(iter(self._handed.values()))[0] + self.hold_timeout_s <= now:
+            self._handed.popitem(last=False)  # its hold is over: the prefill side freed it already
         self._handed[out.request_id] = (now, handle)
         return handle
 
