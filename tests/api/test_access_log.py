@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from tests.api.conftest import MODEL_NAME, Served
+from tests.serving.probes import wait
 from tokenmill.api.app import create_app
 
 LINE = re.compile(r"^(\S+) (\S+) (\S+) (\S+) prompt=(\S+) output=(\S+) cached=(\S+) ttft_ms=(\S+) total_ms=([\d.]+)$")
@@ -26,6 +27,8 @@ def test_a_line_per_request_with_its_tokens_and_refusals_too(server: Served, cap
     with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as response:
         assert response.status_code == 200 and list(response.iter_lines())
     assert httpx.post(server.url + "/v1/completions", json={**body, "max_tokens": 0}).status_code == 400
+    # the server's thread writes a line once the response has gone out, so the client may read it first
+    wait(lambda: len(_lines(caplog)) >= 3, "the three access-log lines", 10)
     lines = _lines(caplog)
     assert len(lines) == 3
     (whole, streamed, refused) = lines
