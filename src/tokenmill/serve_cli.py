@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transfer-backends", default="shm,tcp",
                         help="disaggregated: KV transfer backends in order of preference")
     parser.add_argument("--transfer-faults", default=None,
-                        help="disaggregated drills: inject KV-pull faults on decode workers (corrupt,drop,delay=S)")
+                        help="disaggregated drills: inject KV-pull faults on decode workers (corrupt[=N],drop[=N],delay=S; =N: every N-th pull)")
     add_frontend_flags(parser)
     parser.add_argument("--api-servers", type=int, default=1,
                         help="HTTP frontend processes sharing --port (SO_REUSEPORT), each with its own router "

@@ -92,7 +92,7 @@ def test_a_full_prefill_queue_waits_remotely_when_decode_workers_may_not_prefill
 
 
 @pytest.mark.parametrize("flags,reason", [
-    (("--transfer-faults", "corrupt"), "checksum"),
+    (("--transfer-faults", "corrupt=2"), "checksum"),  # every other pull: intact and recomputed ones mixed
     (("--kv-transfer-backends", "tcp", "--transfer-faults", "drop"), "transfer"),
 ])
 def test_faulty_transfers_are_recomputed(tiny_dense: Path, server_factory: Callable[..., ServeProcess],
@@ -103,7 +103,7 @@ def test_faulty_transfers_are_recomputed(tiny_dense: Path, server_factory: Calla
     wait_for(lambda: worker_metric(server, "kv_pulls", "decode-0") == len(prompts), 10, "every pull to be counted")
     failures = worker_metric(server, "kv_pull_failures", "decode-0")
     if reason == "checksum":
-        assert failures == len(prompts)
+        assert failures == len(prompts) // 2
     else:  # a drop that lands after the last byte is already buffered cannot fail that pull
         assert failures >= len(prompts) // 2
     assert_idle(server)

@@ -184,7 +184,10 @@ def test_no_room_to_land_the_kv_releases_the_prefill_at_once(tiny_dense: Path) -
 
 
 def test_fault_spec_is_validated() -> None:
-    assert TransferFaults.parse("corrupt,delay=0.5") == TransferFaults(corrupt=True, delay_s=0.5)
-    for bad in ("explode", "delay", "delay=soon", "corrupt=1"):
+    assert TransferFaults.parse("corrupt,delay=0.5") == TransferFaults(corrupt_every=1, delay_s=0.5)
+    faults = TransferFaults.parse("corrupt=3,drop=2")
+    assert [n for n in range(1, 10) if faults.corrupts(n)] == [3, 6, 9]
+    assert [n for n in range(1, 7) if faults.drops(n)] == [2, 4, 6]
+    for bad in ("explode", "delay", "delay=soon", "corrupt=0", "corrupt=x", "drop=-1", "drop=1.5"):
         with pytest.raises(ValueError, match="--transfer-faults"):
             TransferFaults.parse(bad)

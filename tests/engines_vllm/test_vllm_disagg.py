@@ -1,8 +1,8 @@
 """One prefill and one decode vLLM worker behind `tokenmill serve`, their KV moved by
 `TokenmillConnector`: the same greedy text as vLLM alone, streamed or not, with the decode worker
 computing no prompt token but the last; a short prompt kept on the decode worker (conditional
-disaggregation); a corrupted pull recomputed to the same text; and no vLLM block left held on
-either side. The connector's other failures (a dropped connection, blocks no longer held, a
+disaggregation); a corrupted pull recomputed to the same text, in the same deployment (it
+corrupts only every fifth pull); and no vLLM block left held on either side. The connector's other failures (a dropped connection, blocks no longer held, a
 layout that differs) are driven without vLLM in test_connector_worker.py."""
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ from tokenmill.textgen.tokenizer import Tokenizer
 
 MAX_TOKENS = 16
 THRESHOLD = 64  # --disagg-threshold: shorter prompts are prefilled on the decode worker
-# distinct prompts (a repeat would find its blocks cached on the decode worker and stay there)
-PROMPTS = {"medium": 100, "medium-streamed": 110, "long": 300, "long-streamed": 290, "corrupt": 200, "local": 20}
+CORRUPT_EVERY = 5  # --transfer-faults corrupt=5: the decode worker corrupts its 5th, 10th, ... pull
+# distinct prompts (a repeat would find its blocks cached on the decode worker and stay there); the
+# corrupt test sends as many as it takes to reach the next corrupted pull
+PROMPTS = {"medium": 100, "medium-streamed": 110, "long": 300, "long-streamed": 290, "local": 20,
+           **{f"corrupt-{i}": 200 + i for i in range(CORRUPT_EVERY)}}
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -42,14 +45,11 @@ def reference(small_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         run.stop()
 
 
-def _serve(model: Path, run_dir: Path, *flags: str) -> Server:
-    return start_serving(model, run_dir, "--prefill", "1", "--decode", "1", "--disagg-threshold", str(THRESHOLD),
-                         *flags, workers=2)
-
-
 @pytest.fixture(scope="module")
 def disagg(small_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    server = _serve(small_llama, tmp_path_factory.mktemp("vllm-disagg"))
+    server = start_serving(small_llama, tmp_path_factory.mktemp("vllm-disagg"), "--prefill", "1", "--decode", "1",
+                           "--disagg-threshold", str(THRESHOLD), "--transfer-faults", f"corrupt={CORRUPT_EVERY}",
+                           workers=2)
     try:
         yield server
     finally:
@@ -109,17 +109,19 @@ def test_a_short_prompt_stays_on_the_decode_worker(disagg: Server, small_llama: 
     assert worker_gauge(disagg, "kv_handles", "prefill-0") == handles
 
 
-def test_a_corrupted_pull_is_recomputed_to_the_same_text(small_llama: Path, tmp_path: Path,
+def test_a_corrupted_pull_is_recomputed_to_the_same_text(disagg: Server, small_llama: Path,
                                                         reference: dict[str, list[int]]) -> None:
-    server = _serve(small_llama, tmp_path, "--transfer-faults", "corrupt")
-    try:
-        computed = worker_gauge(server, "prefill_tokens", "decode-0")
-        ids = PROMPT_IDS["corrupt"]
-        assert complete(client_of(server), ids) == text_of(small_llama, ids, reference["corrupt"])
-        # the pull failed its checksum, so the decode worker computed the prompt and its first token itself
-        wait(lambda: worker_gauge(server, "prefill_tokens", "decode-0") - computed == len(ids) + 1,
-             "the decode worker's recompute of the prompt")
-        wait(lambda: worker_gauge(server, "kv_handles", "prefill-0") == 1, "the prefill worker's handle")
-        wait(lambda: no_block_held(server), "both workers' vLLM blocks back to idle", 20)
-    finally:
-        stop_server(server)
+    """Pulls up to the next corrupted one verify; that one fails its checksum and the decode worker
+    recomputes the prompt: vLLM alone's text either way."""
+    client = client_of(disagg)
+    pulls = int(worker_gauge(disagg, "kv_handles", "prefill-0"))  # one pull per handle, numbered from 1
+    names = [f"corrupt-{i}" for i in range(CORRUPT_EVERY - pulls % CORRUPT_EVERY)]
+    computed = worker_gauge(disagg, "prefill_tokens", "decode-0")
+    for name in names:
+        assert complete(client, PROMPT_IDS[name]) == text_of(small_llama, PROMPT_IDS[name], reference[name]), name
+    # each verified pull left one token to compute; the corrupted one its whole prompt and first token
+    recomputed = len(PROMPT_IDS[names[-1]]) + 1
+    wait(lambda: worker_gauge(disagg, "prefill_tokens", "decode-0") - computed == len(names) - 1 + recomputed,
+         "one token per verified pull and the recompute of the corrupted one")
+    wait(lambda: worker_gauge(disagg, "kv_handles", "prefill-0") == pulls + len(names), "the prefill worker's handles")
+    wait(lambda: no_block_held(disagg), "both workers' vLLM blocks back to idle", 20)

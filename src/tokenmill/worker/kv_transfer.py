@@ -85,6 +85,7 @@ class KVTransferService:
         self._peers = PeerBook(self.agent)
         self._tasks: set[asyncio.Task[None]] = set()
         self._drop_lock = asyncio.Lock()
+        self._pulls_started = 0  # numbers each pull for `faults`
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The engine's KV allocator: the pool in shared memory, so a same-host peer maps it."""
@@ -157,8 +158,9 @@ class KVTransferService:
         A pull is counted as it ends, with its outcome and no await between them, so no load
         snapshot (heartbeat) shows a pull without its failure."""
         started = time.perf_counter()
+        self._pulls_started += 1
         try:
-            reason = await self._pull(handle, plan)
+            reason = await self._pull(handle, plan, self._pulls_started)
         finally:
             self.counters.pulls += 1
         if reason is not None:
@@ -183,8 +185,8 @@ class KVTransferService:
         log.info("no room to land the KV of %s; recomputing its prompt here", handle.get("request_id"))
         self._spawn(self._send_release(handle, str(handle.get("request_id", ""))))
 
-    async def _pull(self, handle: dict[str, Any], plan: ImportPlan) -> str | None:
-        """None when the KV arrived intact, else why not."""
+    async def _pull(self, handle: dict[str, Any], plan: ImportPlan, number: int) -> str | None:
+        """None when the KV arrived intact, else why not (`number`: this pull's, for `faults`)."""
         try:
             peer, src, dst, expected = self._plan_pull(handle, plan)
         except (ValueError, KeyError, TypeError) as exc:
@@ -193,18 +195,18 @@ class KVTransferService:
             await asyncio.sleep(self.faults.delay_s)
         if peer is None:  # both sides run the mock engine: there are no bytes to move
             return await self._mock_move(plan)
-        if self.faults.drop:  # one at a time, so each dropped connection is this pull's own
+        if self.faults.drops(number):  # one at a time, so each dropped connection is this pull's own
             async with self._drop_lock:
-                return await self._move(peer, src, dst, expected, plan)
-        return await self._move(peer, src, dst, expected, plan)
+                return await self._move(peer, src, dst, expected, plan, number)
+        return await self._move(peer, src, dst, expected, plan, number)
 
     async def _move(self, peer: str, src: list[Descriptor], dst: list[Descriptor], expected: list[int],
-                    plan: ImportPlan) -> str | None:
+                    plan: ImportPlan, number: int) -> str | None:
         try:
             transfer = self.agent.read(peer, src, dst, timeout=self.pull_timeout_s)
         except ValueError as exc:  # e.g. no backend reaches the peer
             return f"bad handle: {exc}"
-        if self.faults.drop:
+        if self.faults.drops(number):
             self._spawn(self._peers.drop_connection(transfer, peer))
         try:
             await transfer.wait()
@@ -216,7 +218,7 @@ class KVTransferService:
             self._peers.forget(peer)  # reconnect (or learn of a restart) next time
             return f"transfer: {transfer.reason}"
         self.counters.bytes += transfer.bytes
-        if self.faults.corrupt:
+        if self.faults.corrupts(number):
             self._corrupt(plan.block_ids[-1])
         if await self._checksums(plan.block_ids) != expected:
             return "checksum: the received KV does not match the prefill worker's"

@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-pull-timeout-s", type=float, default=10.0,
                         help="decode: give up a KV pull after this long and recompute the prompt")
     parser.add_argument("--transfer-faults", default=None,
-                        help="inject KV-pull faults for drills: corrupt,drop,delay=SECONDS")
+                        help="inject KV-pull faults for drills: corrupt[=N],drop[=N],delay=SECONDS (=N: every N-th pull)")
     parser.add_argument("--drain-timeout-s", type=float, default=10.0,
                         help="on SIGTERM: how long prefill requests and held KV may finish")
     parser.add_argument("--check-only", action="store_true",

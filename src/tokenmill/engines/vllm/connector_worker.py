@@ -58,6 +58,7 @@ class WorkerSide:
         self._releases: dict[str, float] = {}  # id -> when its release arrived (maybe before it is held)
         self._held: dict[str, float] = {}  # id -> hold deadline
         self._peers = PeerBook(self.agent)
+        self._pulls_started = 0  # numbers each pull for `faults` (on the agent's loop only)
         self._releases_task: asyncio.Task[None] | None = None
 
     # -- setup ------------------------------------------------------------------------------
@@ -149,8 +150,9 @@ class WorkerSide:
         """Pull, then release the prefill worker's blocks; a job without blocks only releases
         (vLLM did not wait for it, so it is not reported as received)."""
         if job.block_ids:
+            self._pulls_started += 1
             try:
-                reason = await self._pull(job)
+                reason = await self._pull(job, self._pulls_started)
             except Exception as exc:  # noqa: BLE001 - whatever went wrong, the prompt is recomputed
                 reason = f"error: {exc!r}"
             with self._lock:
@@ -160,8 +162,8 @@ class WorkerSide:
         if isinstance(job.handle.get("agent"), dict):
             await send_release(self._peers, job.handle["agent"], str(job.handle.get("remote_request_id", "")))
 
-    async def _pull(self, job: LoadJob) -> str | None:
-        """None when every block arrived and verified, else why not."""
+    async def _pull(self, job: LoadJob, number: int) -> str | None:
+        """None when every block arrived and verified, else why not (`number`: this pull's, for `faults`)."""
         handle = job.handle
         remote_ids = [int(b) for b in handle["block_ids"]][job.first_block:job.first_block + len(job.block_ids)]
         if len(remote_ids) != len(job.block_ids):
@@ -179,12 +181,12 @@ class WorkerSide:
         # fails its stamp or its checksum either way
         for what, transfer in (("KV", self.agent.read(peer, src, dst, timeout=self.pull_timeout_s)),
                                ("checksums", self.agent.read(peer, rows, rows_in, timeout=self.pull_timeout_s))):
-            faults = [self._peers.drop_connection(transfer, peer)] if self.faults.drop else []
+            faults = [self._peers.drop_connection(transfer, peer)] if self.faults.drops(number) else []
             await asyncio.gather(transfer.wait(), *faults)
             if not transfer.ok:
                 self._peers.forget(peer)
                 return f"transfer of the {what}: {transfer.reason}"
-        if self.faults.corrupt:
+        if self.faults.corrupts(number):
             self._flip(job.block_ids[-1])
         # off the agent's loop: other pulls and the release notifications go on meanwhile
         return await asyncio.to_thread(self._verify, job.block_ids, np.uint64(int(handle["stamp"])))
