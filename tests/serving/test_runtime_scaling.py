@@ -258,6 +258,53 @@ def test_the_planner_retries_a_start_that_failed_and_never_counts_it(agg: tuple[
         wait_for(server, lambda listed: started not in listed or listed[started]["state"] != "draining", 30)
 
 
+def test_the_live_fast_path_starts_a_worker_as_soon_as_first_tokens_are_late(agg: tuple[Server, Path]) -> None:
+    """Between intervals (here far longer than the test) the local connector scrapes every 0.3 s;
+    a burst queued past the TTFT target on the one worker (16 streams at a time, each 1.6 s long)
+    makes the fast path start a worker at once, over that short window, and say why."""
+    from tests.planner.test_propose import FixedModel
+    from tokenmill.planner.constrain import Constrainer, Limits
+    from tokenmill.planner.live import LiveDeployment
+    from tokenmill.planner.planner import Planner
+    from tokenmill.planner.propose import Proposer
+
+    server, _ = agg
+    planner = Planner(_FixedLoad(), Proposer({"agg": FixedModel()}, disaggregated=False),
+                      Constrainer(Limits(), {"agg": 1}, 700.0))
+
+    async def scenario() -> tuple[list[tuple[str, int]], LiveDeployment]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, trust_env=False) as client, \
+                openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as api:
+            live = LiveDeployment(planner, client, interval_s=600.0, warmup_s=0.0, fast_s=0.3)
+            stop = asyncio.Event()
+            task = asyncio.create_task(live.run(stop))
+            await asyncio.sleep(0.1)  # the baseline scrape
+            results = await asyncio.gather(*(stream(api, i, 40) for i in range(40)))
+            deadline = time.monotonic() + 10
+            while not planner.decisions and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            stop.set()
+            await task
+            return results, live
+
+    results, live = asyncio.run(scenario())
+    started = [w["name"] for o in live.outcomes for w in (o.detail or {}).get("started", [])]
+    try:
+        assert results == [("length", 40)] * 40
+        assert planner.decisions, "no fast decision while first tokens waited past the target"
+        first = planner.decisions[0]
+        assert first.path == "fast" and first.reason.startswith("fast path: agg: TTFT p90"), first.reason
+        assert first.observed.interval_s == pytest.approx(0.3)
+        assert [(a.role, a.delta > 0) for a in first.actions] == [("agg", True)]
+        assert live.outcomes[0].status == 202 and started
+    finally:
+        for name in started:
+            admin(server, {"action": "drain", "worker": name})
+        wait_for(server, lambda listed: all(n not in listed or listed[n]["state"] not in ("starting", "serving",
+                                                                                       "draining")
+                                            for n in started), 30)
+
+
 def test_a_paused_planner_observes_but_neither_decides_nor_acts(agg: tuple[Server, Path]) -> None:
     """The dashboard's planner switch: paused, the local connector keeps its baseline current
     (so resuming plans on a fresh interval) and makes no decision and no change."""

@@ -1,8 +1,12 @@
 """Typed records of what the planner did and why: the answer to "why did it (not) scale?".
 
 A `Decision` carries what was observed, the forecast, the proposal and the numbers behind it,
-every limit that changed it, the actions taken, and one line in words that leads with the cause
-("decode: KV 91% > 85%; +1 decode").
+every limit that changed it, the actions taken, which path acted (`path`), and one line in words
+that leads with the cause ("decode: KV 91% > 85%; +1 decode").
+
+Paths: `forecast` (the interval's plan added replicas or kept the fleet), `scale-down` (the
+interval's plan removed some, after its sustained-low rule), `fast` (between intervals, a pool's
+first tokens were late now and replicas were added at once), `held` (metrics were missing).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ class Decision:
     expected_itl_s: float | None = None
     reason: str = ""
     held: str | None = None  # why nothing was planned (missing metrics), if so
+    path: str = "forecast"  # forecast | scale-down | fast | held: which path decided
 
     def explain(self) -> str:
         """The one-line reason: per changed pool the cause, else why it held."""
@@ -49,7 +54,7 @@ class Decision:
             causes += [c for c in self.constraints if c.startswith(action.role + ":")]
             parts.append("; ".join([c for c in causes if c] + [action.describe()]))
         if parts:
-            return " | ".join(parts)
+            return ("fast path: " if self.path == "fast" else "") + " | ".join(parts)
         limits = [c for c in self.constraints if "holding" in c or "keeping" in c]
         if limits:
             return "no change: " + "; ".join(limits)
@@ -62,7 +67,7 @@ class Decision:
                 "actions": [{"role": a.role, "delta": a.delta} for a in self.actions],
                 "proposal_reasons": self.proposal_reasons, "constraints": self.constraints,
                 "expected_ttft_s": self.expected_ttft_s, "expected_itl_s": self.expected_itl_s,
-                "inputs": self.inputs, "observed": self.observed.to_json(), "held": self.held}
+                "inputs": self.inputs, "observed": self.observed.to_json(), "held": self.held, "path": self.path}
 
 
 def _first(lines: list[str], role: str) -> str | None:

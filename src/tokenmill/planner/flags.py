@@ -23,6 +23,12 @@ def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | N
     g.add_argument("--forecast-quantile", type=float, default=None,
                    help="size for this quantile of the load given the forecaster's recent errors, e.g. 0.9 "
                         "(default: the point forecast)")
+    g.add_argument("--burst-quantile", type=float, default=0.9,
+                   help="size the prefill pool for this quantile of the coming interval's busiest second, "
+                        "forecast from the last 40 intervals'")
+    g.add_argument("--fast-path-s", type=float, default=None,
+                   help="between intervals, every this many seconds: add replicas at once to a pool whose "
+                        "TTFT p90 or queue time is over its target now (default: off)")
     g.add_argument("--warmup-s", type=float, default=60.0,
                    help="a replica's latency corrects the model once it has served this long")
     for role in ("agg", "prefill", "decode"):
@@ -35,6 +41,13 @@ def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | N
                    help="decisions in a row that must want fewer replicas before any is removed")
     g.add_argument("--scale-down-utilisation", type=float, default=0.8,
                    help="survivors' share of capacity after a removal, at most")
+
+
+def check_fast_path(args: argparse.Namespace) -> None:
+    """ValueError naming the flag unless the fast path's period is off or within an interval."""
+    fast, interval = args.fast_path_s, args.planner_interval_s
+    if fast is not None and not 0 < fast < interval:
+        raise ValueError(f"--fast-path-s must be > 0 and shorter than --planner-interval-s ({interval:g}), got {fast:g}")
 
 
 def add_serve_planner_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from tokenmill.planner.bursts import check_burst_quantile
+from tokenmill.planner.flags import check_fast_path
 from tokenmill.planner.headroom import check_quantile
 from tokenmill.planner.live import LiveDeployment
 from tokenmill.planner.metrics import PlannerMetrics
@@ -28,6 +30,8 @@ def check_flags(args: argparse.Namespace) -> None:
     """Refuse bad planner flags before anything starts (ValueError naming the flag)."""
     limits_from(args)
     check_quantile(args.forecast_quantile)
+    check_burst_quantile(args.burst_quantile)
+    check_fast_path(args)
     text = args.planner_profile or getattr(args, "mock_profile", None)
     if not text:
         raise ValueError("--planner-profile: the planner needs a replica profile (or workers with --mock-profile)")
@@ -84,7 +88,8 @@ def start(app: Any, args: argparse.Namespace, registry: Any, admin_key: str | No
                            args.planner_mode, forecaster, limits_from(args),
                            args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3, args.max_num_seqs,
                            args.max_num_batched_tokens, _kv_tokens(args),
-                           (args.lookahead_s or 0.0) / args.planner_interval_s, args.forecast_quantile)
+                           (args.lookahead_s or 0.0) / args.planner_interval_s, args.forecast_quantile,
+                           args.burst_quantile)
     if speedup != 1.0:
         for model in planner.proposer.models.values():
             model.clock = SpedUpClock(model.clock, speedup)  # type: ignore[assignment]
@@ -92,7 +97,8 @@ def start(app: Any, args: argparse.Namespace, registry: Any, admin_key: str | No
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tokenmill", headers=headers,
                                timeout=30.0)
     gpus = {role: m.gpus for role, m in planner.proposer.models.items()}
-    deployment = LiveDeployment(planner, client, args.planner_interval_s, args.warmup_s, PlannerMetrics(registry, gpus))
+    deployment = LiveDeployment(planner, client, args.planner_interval_s, args.warmup_s, PlannerMetrics(registry, gpus),
+                                fast_s=args.fast_path_s)
     stop = asyncio.Event()
     task = asyncio.create_task(deployment.run(stop))
     log.info("planner %s running every %g s", args.planner_mode, args.planner_interval_s)

@@ -7,6 +7,10 @@ planner, and carry out its actions with `POST /admin/workers` (`start` N of a ro
 a role, newest first: a draining worker takes nothing new and finishes what it holds). A start
 that fails shows up as a `failed` worker, which the next observation does not count, so the next
 decision asks again: nothing waits on a replica that never became healthy.
+
+With `fast_s`, between intervals it scrapes every `fast_s` seconds and hands the planner's fast
+path that short window (its TTFT p90 from the frontend's histogram), which may add replicas at
+once; the interval's own observation still spans the whole interval.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import httpx
 
 from tokenmill.planner.decision import Decision
 from tokenmill.planner.metrics import PlannerMetrics
+from tokenmill.planner.observation import Observation
 from tokenmill.planner.planner import Planner
 from tokenmill.planner.prometheus_observer import observe, scrape
 
@@ -44,38 +49,63 @@ class LiveDeployment:
     outcomes: list[ActionOutcome] = field(default_factory=list)
     paused: bool = False  # observes but neither decides nor acts (the dashboard's planner switch)
     connector: Any = None  # `workers()` and `scale(role, delta)` elsewhere than /admin/workers
+    fast_s: float | None = None  # the fast path's period between intervals (None: no fast path)
     _last: dict[str, Any] | None = None
+    _last_fast: dict[str, Any] | None = None
     _started: float = field(default_factory=time.monotonic)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Decide every interval until `stop` is set (the first scrape only sets the baseline)."""
-        self._last = scrape(await self._text("/metrics"))
+        """Decide every interval until `stop` is set (the first scrape only sets the baseline),
+        and with `fast_s` check the fast path every `fast_s` between them."""
+        self._last = self._last_fast = scrape(await self._text("/metrics"))
+        period = self.fast_s or self.interval_s
+        next_interval = time.monotonic() + self.interval_s
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), self.interval_s)
+                await asyncio.wait_for(stop.wait(), period)
                 return
             except TimeoutError:
                 pass
+            regular = time.monotonic() + period / 2 >= next_interval
+            if regular:
+                next_interval += self.interval_s
             try:
-                if self.paused:
-                    self._last = scrape(await self._text("/metrics"))  # resumed, it plans on fresh intervals
-                else:
+                if self.paused:  # resumed, it plans on fresh intervals
+                    self._last = self._last_fast = scrape(await self._text("/metrics"))
+                elif regular:
                     await self.tick()
+                else:
+                    await self.fast_tick()
             except httpx.HTTPError as exc:  # the frontend is away: hold, and try again next interval
                 log.warning("planner: the deployment did not answer (%s); holding", exc)
 
     async def tick(self) -> Decision:
         now = scrape(await self._text("/metrics"))
-        workers = await self.workers()
-        obs = observe(self._last or now, now, time.monotonic() - self._started, self.interval_s, workers,
-                      self.warmup_s)
-        self._last = now
+        obs = await self._observe(self._last or now, now, self.interval_s)
+        self._last = self._last_fast = now
         decision = self.planner.step(obs)
+        await self._act(decision)
+        return decision
+
+    async def fast_tick(self) -> Decision | None:
+        """The fast path over the seconds since the last scrape; None when it did nothing."""
+        now = scrape(await self._text("/metrics"))
+        obs = await self._observe(self._last_fast or now, now, self.fast_s or self.interval_s)
+        self._last_fast = now
+        decision = self.planner.fast_step(obs)
+        if decision is not None:
+            await self._act(decision)
+        return decision
+
+    async def _observe(self, before: dict[str, Any], after: dict[str, Any], window_s: float) -> Observation:
+        workers = await self.workers()
+        return observe(before, after, time.monotonic() - self._started, window_s, workers, self.warmup_s)
+
+    async def _act(self, decision: Decision) -> None:
         if self.metrics is not None:
             self.metrics.record(decision)
         for action in decision.actions:
             await self._execute(action.role, action.delta)
-        return decision
 
     async def workers(self) -> list[dict[str, Any]]:
         if self.connector is not None:

@@ -8,7 +8,9 @@ one calm interval must not drop the headroom the last burst needed.
   The gaps' own ca² is not used: a prefill replica batches a burst's prompts into one chunk, so
   gaps far below a step cost nothing, and Kingman's formula on them over-provisions many times
   over (measured on the Azure code trace). Bursts are the prefill floor instead:
-- `peak_tokens_per_s()`: the busiest second's prompt tokens, the highest in the window.
+- `peak_tokens_per_s()`: the coming interval's busiest second of prompt tokens, forecast from the
+  recent intervals' (`BurstForecast`): the highest of the last `window`, or with `burst_quantile`
+  the conformal quantile of the last `burst_window`.
 - `stream_peak_ratio()`: how far the streams a decode pool holds rise above their mean within
   an interval (the 90th percentile of each second's count ÷ the interval's mean), the median
   of the window, within [1, MAX_STREAM_PEAK_RATIO]; 1 until measured. The median, not the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+from tokenmill.planner.bursts import BurstForecast, check_burst_quantile
 from tokenmill.planner.observation import Observation
 from tokenmill.planner.perf_model import POISSON_VARIABILITY
 
@@ -33,16 +36,18 @@ MAX_STREAM_PEAK_RATIO = 3.0
 
 
 class LoadShape:
-    def __init__(self, window: int = 10) -> None:
+    def __init__(self, window: int = 10, burst_quantile: float | None = None, burst_window: int = 40) -> None:
+        check_burst_quantile(burst_quantile)
         self.spreads: deque[float] = deque(maxlen=window)
-        self.peaks: deque[float] = deque(maxlen=window)
+        self.burst_quantile = burst_quantile
+        self.bursts = BurstForecast(window if burst_quantile is None else burst_window)
         self.stream_peaks: deque[float] = deque(maxlen=window)
 
     def update(self, obs: Observation) -> None:
         if obs.requests == 0:
-            self.peaks.append(0.0)  # a quiet interval: zero traffic must reach the minimum in time
+            self.bursts.observe(0.0)  # a quiet interval: zero traffic must reach the minimum in time
         elif obs.peak_prompt_tokens_per_s is not None:
-            self.peaks.append(obs.peak_prompt_tokens_per_s)
+            self.bursts.observe(obs.peak_prompt_tokens_per_s)
         if obs.isl_cv2 is not None and (obs.requests or 0) >= MIN_REQUESTS_FOR_SPREAD:
             self.spreads.append(obs.isl_cv2)
         mean, p90 = obs.streams_mean, obs.streams_p90
@@ -55,7 +60,7 @@ class LoadShape:
         return (1.0 + sum(self.spreads) / len(self.spreads)) / 2
 
     def peak_tokens_per_s(self) -> float:
-        return max(self.peaks, default=0.0)
+        return self.bursts.quantile(self.burst_quantile)
 
     def stream_peak_ratio(self) -> float:
         return float(statistics.median(self.stream_peaks)) if self.stream_peaks else 1.0

@@ -1,5 +1,9 @@
 """The planner's step: observation → forecast → proposal → limits → actions, as one `Decision`.
 
+    decision = planner.step(obs)        # every interval: the forecast path (or scale-down)
+    decision = planner.fast_step(obs)   # between intervals, over a short window: None unless a
+                                        # pool's first tokens are late now and replicas were added
+
 The same object runs against a live deployment (a connector reads `/metrics` and
 `/admin/workers`) and inside the fleet simulator (`planner/simulated.py`); it never touches
 either itself. Invariants: a pool with missing metrics is held, not planned on zeros; an
@@ -17,7 +21,7 @@ from typing import Protocol
 from tokenmill.planner.constrain import Constrainer
 from tokenmill.planner.decision import Action, Decision
 from tokenmill.planner.headroom import ForecastErrors
-from tokenmill.planner.observation import Observation
+from tokenmill.planner.observation import STARTING, Observation
 from tokenmill.planner.propose import Proposal, Proposer
 
 log = logging.getLogger(__name__)
@@ -35,13 +39,17 @@ class Planner:
         self.forecaster = forecaster
         self.errors = ForecastErrors(forecast_quantile)
         # a replica asked for now serves only after its start-up: size for the load then, carrying a
-        # rising forecast's step on that far (never a falling one: removals have their own rule)
+        # rising forecast's step on that far (never a falling one: removals have their own rule). A
+        # step is carried only as far as both the forecast's distance from this interval's count and
+        # its own rise over the last forecast show it: on an on/off load every quiet interval is far
+        # below a smoothed forecast that is not rising at all.
         self.lookahead = max(lookahead_intervals, 0.0)
         self.proposer = proposer
         self.constrainer = constrainer
         self.decisions: deque[Decision] = deque(maxlen=keep)
         self._last_isl: float | None = None
         self._last_osl: float | None = None
+        self._last_forecast: float | None = None
 
     @property
     def mode(self) -> str:
@@ -52,13 +60,44 @@ class Planner:
         decision = Decision(obs.at_s, self.mode, obs, current)
         held = self._missing(obs)
         if held:
-            decision.held = held
+            decision.held, decision.path = held, "held"
             decision.target = dict(current)
         else:
             self._plan(obs, decision)
+            if decision.actions and all(a.delta < 0 for a in decision.actions):
+                decision.path = "scale-down"
         decision.reason = decision.explain()
         self.decisions.append(decision)
         log.debug("planner at %.0f s: %s", obs.at_s, decision.reason)
+        return decision
+
+    def fast_step(self, obs: Observation) -> Decision | None:
+        """Between intervals, `obs` over a short window: a prefill (or aggregated) pool whose first
+        tokens are late now (TTFT p90 over the target, or queue time over half of it), with no
+        replica already starting, gets at once what the window's arrivals need by the performance
+        model, and at least one more, within the limits. Only adds: removals keep the interval's
+        sustained-low rule. None when no pool is late (or the limits leave nothing to add)."""
+        late = {role: why for role, why in _late_first_tokens(self, obs).items() if not obs.count(role, STARTING)}
+        isl, osl = obs.mean_isl or self._last_isl, obs.mean_osl or self._last_osl or 1.0
+        if not late or obs.requests is None or isl is None:  # no prompt length seen yet: nothing to size by
+            return None
+        current = {role: obs.count(role) for role in self.proposer.roles}
+        decision = Decision(obs.at_s, self.mode, obs, current, path="fast")
+        window = _Load(float(obs.requests), isl, osl)
+        proposal = self.proposer.predictive(window, obs)
+        wanted = {role: max(proposal.replicas[role], current[role] + 1) if role in late else current[role]
+                  for role in current}
+        constrained = self.constrainer.apply(wanted, current, _need(proposal))
+        decision.proposed, decision.target = wanted, constrained.replicas
+        decision.proposal_reasons = [f"{role}: {why} now" for role, why in late.items()] + proposal.reasons
+        decision.constraints, decision.inputs = constrained.notes, proposal.inputs
+        decision.actions = [Action(role, n - current[role]) for role, n in sorted(constrained.replicas.items())
+                            if n > current[role]]
+        if not decision.actions:
+            return None
+        decision.reason = decision.explain()
+        self.decisions.append(decision)
+        log.debug("planner fast path at %.0f s: %s", obs.at_s, decision.reason)
         return decision
 
     def _missing(self, obs: Observation) -> str | None:
@@ -77,7 +116,9 @@ class Planner:
         forecast = self.forecaster.predict()
         self.errors.record(float(obs.requests or 0))
         self.errors.expect(forecast.requests)
-        rise = max(forecast.requests - float(obs.requests or 0), 0.0)
+        previous, self._last_forecast = self._last_forecast, forecast.requests
+        rise = max(min(forecast.requests - float(obs.requests or 0),
+                       forecast.requests - (previous if previous is not None else forecast.requests)), 0.0)
         # requests still queued are demand the next interval must serve too, beside the new ones
         backlog = float(obs.queue_depth or 0)
         margin = self.errors.margin()
@@ -121,6 +162,17 @@ def _over_target_of(planner: "Planner", obs: Observation) -> dict[str, str]:
         elif role in ("decode", "agg") and obs.itl_p90_s is not None and obs.itl_p90_s > itl:
             out[role] = f"ITL p90 {obs.itl_p90_s * 1e3:.1f} ms > {itl * 1e3:.1f} ms"
     return out
+
+
+def _late_first_tokens(planner: "Planner", obs: Observation) -> dict[str, str]:
+    """The pool that makes first tokens (prefill, or the aggregated one), if they are late in `obs`."""
+    ttft, _ = planner.proposer.targets()
+    role = planner.proposer.roles[0]
+    if obs.ttft_p90_s is not None and obs.ttft_p90_s > ttft:
+        return {role: f"TTFT p90 {obs.ttft_p90_s * 1e3:.0f} ms > {ttft * 1e3:.0f} ms"}
+    if obs.queue_time_s is not None and obs.queue_time_s > ttft / 2:
+        return {role: f"queue time {obs.queue_time_s * 1e3:.0f} ms > half the TTFT target"}
+    return {}
 
 
 def _need(proposal: Proposal) -> dict[str, float]:

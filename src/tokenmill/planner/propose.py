@@ -66,14 +66,15 @@ class Corrections:
 
 
 class Proposer:
-    def __init__(self, models: dict[str, ReplicaModel], disaggregated: bool, mode: str = "sla") -> None:
+    def __init__(self, models: dict[str, ReplicaModel], disaggregated: bool, mode: str = "sla",
+                 burst_quantile: float | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"--planner mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.models = models
         self.disaggregated = disaggregated
         self.mode = mode
         self.corrections = Corrections()
-        self.shape = LoadShape()
+        self.shape = LoadShape(burst_quantile=burst_quantile)
 
     def targets(self) -> tuple[float, float]:
         """(TTFT, ITL) targets in seconds."""

@@ -21,7 +21,9 @@ from pathlib import Path
 import httpx
 
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
-from tokenmill.planner.flags import add_planner_arguments
+from tokenmill.planner.bursts import check_burst_quantile
+from tokenmill.planner.flags import add_planner_arguments, check_fast_path
+from tokenmill.planner.headroom import check_quantile
 from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
 from tokenmill.sim.fleet.clock import parse_profile
 
@@ -59,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--ttft-ms and --itl-ms must be > 0")
         if args.planner_interval_s <= 0:
             raise ValueError("--planner-interval-s must be > 0")
+        check_quantile(args.forecast_quantile)
+        check_burst_quantile(args.burst_quantile)
+        check_fast_path(args)
     except ValueError as exc:
         print(f"error: {exc}")
         return 2
@@ -80,8 +85,10 @@ async def _run(args: argparse.Namespace, profiles, limits) -> int:
         forecaster = make_forecaster(args.predictor, args.warm_start_trace, args.planner_interval_s)
         planner = make_planner(profiles, "decode" in roles, args.planner_mode, forecaster, limits,
                                args.ttft_ms / 1e3, args.itl_ms / 1e3, args.max_num_seqs, args.max_num_batched_tokens,
-                               kv, (args.lookahead_s or 0.0) / args.planner_interval_s, args.forecast_quantile)
-        deployment = LiveDeployment(planner, client, args.planner_interval_s, args.warmup_s, connector=connector)
+                               kv, (args.lookahead_s or 0.0) / args.planner_interval_s, args.forecast_quantile,
+                               args.burst_quantile)
+        deployment = LiveDeployment(planner, client, args.planner_interval_s, args.warmup_s, connector=connector,
+                                    fast_s=args.fast_path_s)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, stop.set)

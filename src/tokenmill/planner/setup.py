@@ -45,11 +45,11 @@ def make_forecaster(name: str, warm_trace: str | None = None, interval_s: float 
 def make_planner(profiles: Mapping[str, Profile], disaggregated: bool, mode: str, forecaster: Forecaster,
                  limits: Limits, ttft_s: float, itl_s: float, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_tokens: Mapping[str, int] | None = None, lookahead_intervals: float = 0.0,
-                 forecast_quantile: float | None = None) -> Planner:
+                 forecast_quantile: float | None = None, burst_quantile: float | None = None) -> Planner:
     roles = ("prefill", "decode") if disaggregated else ("agg",)
     models = {role: ReplicaModel(StepClock(profiles[role]), ttft_s, itl_s, max_num_seqs, max_num_batched_tokens,
                                  (kv_tokens or {}).get(role)) for role in roles}
     watts = max(m.clock.context.gpu.power_w for m in models.values())
     constrainer = Constrainer(limits, {role: m.gpus for role, m in models.items()}, watts)
-    return Planner(forecaster, Proposer(models, disaggregated, mode), constrainer,
+    return Planner(forecaster, Proposer(models, disaggregated, mode, burst_quantile), constrainer,
                    lookahead_intervals=lookahead_intervals, forecast_quantile=forecast_quantile)

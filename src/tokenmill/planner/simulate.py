@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.planner.decision import Decision
-from tokenmill.planner.flags import add_planner_arguments
+from tokenmill.planner.flags import add_planner_arguments, check_fast_path
 from tokenmill.planner.observation import Observation
 from tokenmill.planner.planner import Forecaster
 from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
@@ -68,6 +68,7 @@ def initial_config(args: argparse.Namespace) -> FleetConfig:
         raise ValueError("--prefill/--decode: a planned disaggregated fleet starts with both pools")
     if args.change:
         raise ValueError("--change: the planner makes the fleet's changes")
+    check_fast_path(args)
     return build_config(args)
 
 
@@ -101,10 +102,11 @@ def run_planned(config: FleetConfig, requests: list[TraceRequest], args: argpars
     planner = make_planner(config.profiles, config.disaggregated, args.planner_mode, forecaster, limits,
                            config.sla.ttft_s, config.sla.itl_s, config.max_num_seqs, config.max_num_batched_tokens,
                            _kv_tokens(config), lookahead_s / args.planner_interval_s,
-                           None if oracle else args.forecast_quantile)
-    deployment = SimulatedDeployment(planner, args.planner_interval_s, args.warmup_s)
+                           None if oracle else args.forecast_quantile, args.burst_quantile)
+    deployment = SimulatedDeployment(planner, args.planner_interval_s, args.warmup_s,
+                                     None if oracle else args.fast_path_s)
     sim = FleetSim(config)
-    sim.run(requests, controller=deployment.tick, tick_s=args.planner_interval_s)
+    sim.run(requests, controller=deployment.tick, tick_s=deployment.tick_s)
     return PlannedRun(summarize(sim), deployment.decisions)
 
 

@@ -7,6 +7,11 @@ the requests that got their first token, or finished, in the interval; the strea
 each second, as the frontend samples them; queue and KV from the replicas), hands it to the planner, and applies the decision's actions as fleet changes
 (started replicas serve after the fleet's start-up delay; removed ones drain). The planner
 code is the one a live deployment runs.
+
+With `fast_s`, the simulator calls `tick` every `fast_s` instead, and between intervals the
+planner's fast path sees the last `fast_s` seconds (`observe_now`): the arrivals, and for TTFT the
+first tokens that came in them beside the age of every request still waiting (a lower bound of
+its TTFT, so a queue that is not moving shows at once).
 """
 from __future__ import annotations
 
@@ -53,14 +58,29 @@ class SimulatedDeployment:
     planner: Planner
     interval_s: float
     warmup_s: float = 60.0  # a replica's latency counts for the correction once it served this long
+    fast_s: float | None = None  # the fast path's period between intervals (None: no fast path)
     decisions: list[Decision] = field(default_factory=list)
+    _next_interval_s: float | None = None
     _arrived: int = 0
     _completed: int = 0
     _waiting: list[RequestRecord] = field(default_factory=list)  # arrived, no first token yet
     _streaming: list[RequestRecord] = field(default_factory=list)  # a first token, not finished, at the last tick
 
+    @property
+    def tick_s(self) -> float:
+        """How often the simulator must call `tick`."""
+        return self.fast_s or self.interval_s
+
     def tick(self, sim: FleetSim) -> None:
-        decision = self.planner.step(self.observe(sim))
+        if self._next_interval_s is None:
+            self._next_interval_s = self.interval_s
+        if sim.now + 1e-9 >= self._next_interval_s:
+            self._next_interval_s += self.interval_s
+            decision: Decision | None = self.planner.step(self.observe(sim))
+        else:
+            decision = self.planner.fast_step(self.observe_now(sim))
+        if decision is None:
+            return
         self.decisions.append(decision)
         for action in decision.actions:
             if action.delta > 0:
@@ -78,6 +98,26 @@ class SimulatedDeployment:
         obs = observe_arrivals(Observation(at_s=sim.now, interval_s=self.interval_s), arrived)
         self._latencies(obs, started, completed)
         self._streams(obs, self._streaming + started, sim.now)
+        self._replicas(obs, sim)
+        return obs
+
+    def observe_now(self, sim: FleetSim) -> Observation:
+        """The last `fast_s` seconds, leaving the interval's own counts where they are."""
+        window = self.fast_s or self.interval_s
+        since = sim.now - window
+        recent = []
+        for record in reversed(sim.arrived):  # in arrival order: the window's are at the end
+            if record.arrival_s < since:
+                break
+            recent.append(record)
+        obs = observe_arrivals(Observation(at_s=sim.now, interval_s=window), recent)
+        pending = self._waiting + sim.arrived[self._arrived:]
+        waits = [sim.now - r.arrival_s for r in pending if r.first_token_s is None and not r.rejected]
+        ttft = [r.ttft_s for r in pending if r.first_token_s is not None and r.first_token_s >= since]
+        if waits or ttft:
+            obs.ttft_p90_s = float(np.percentile(waits + ttft, 90))
+        if waits:
+            obs.queue_time_s = float(np.mean(waits))
         self._replicas(obs, sim)
         return obs
 
