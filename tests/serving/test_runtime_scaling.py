@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client import CollectorRegistry
 
 from tests.serving.conftest import Server, start_server, stop_server
 from tests.serving.probes import child_pids
@@ -265,17 +266,20 @@ def test_the_live_fast_path_starts_a_worker_as_soon_as_first_tokens_are_late(agg
     from tests.planner.test_propose import FixedModel
     from tokenmill.planner.constrain import Constrainer, Limits
     from tokenmill.planner.live import LiveDeployment
+    from tokenmill.planner.metrics import PlannerMetrics
     from tokenmill.planner.planner import Planner
     from tokenmill.planner.propose import Proposer
 
     server, _ = agg
     planner = Planner(_FixedLoad(), Proposer({"agg": FixedModel()}, disaggregated=False),
                       Constrainer(Limits(), {"agg": 1}, 700.0))
+    registry = CollectorRegistry()
 
     async def scenario() -> tuple[list[tuple[str, int]], LiveDeployment]:
         async with httpx.AsyncClient(base_url=server.url, timeout=30, trust_env=False) as client, \
                 openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as api:
-            live = LiveDeployment(planner, client, interval_s=600.0, warmup_s=0.0, fast_s=0.3)
+            live = LiveDeployment(planner, client, interval_s=600.0, warmup_s=0.0, fast_s=0.3,
+                                  metrics=PlannerMetrics(registry, {"agg": 1}))
             stop = asyncio.Event()
             task = asyncio.create_task(live.run(stop))
             await asyncio.sleep(0.1)  # the baseline scrape
@@ -297,6 +301,10 @@ def test_the_live_fast_path_starts_a_worker_as_soon_as_first_tokens_are_late(agg
         assert first.observed.interval_s == pytest.approx(0.3)
         assert [(a.role, a.delta > 0) for a in first.actions] == [("agg", True)]
         assert live.outcomes[0].status == 202 and started
+        fast = registry.get_sample_value("tokenmill_planner_decisions_total", {"kind": "fast_scale_up"})
+        assert fast == len(planner.decisions)
+        # GPU-hours are the intervals' to count, and no interval has ended
+        assert registry.get_sample_value("tokenmill_planner_gpu_hours_total") == 0.0
     finally:
         for name in started:
             admin(server, {"action": "drain", "worker": name})
