@@ -27,10 +27,13 @@ PROFILE = "llama-3.1-70b@h100:fp8:tp4"
 INTERVAL = 30.0
 
 
+RISE_S, FALL_S = 300.0, 600.0  # the load doubles, then falls
+
+
 def _phases() -> list[TraceRequest]:
-    """2 req/s for 10 min, 4 req/s for 10 min, then 0.5 req/s for 15 min; 8k-token prompts."""
+    """2 req/s for 5 min, 4 req/s for 5 min, then 0.5 req/s for 10 min; 8k-token prompts."""
     out: list[TraceRequest] = []
-    for start, rate, duration in ((0.0, 2.0, 600.0), (600.0, 4.0, 600.0), (1200.0, 0.5, 900.0)):
+    for start, rate, duration in ((0.0, 2.0, RISE_S), (RISE_S, 4.0, FALL_S - RISE_S), (FALL_S, 0.5, 600.0)):
         for r in synthetic("poisson", rate=rate, duration_s=duration, input_tokens=8000, output_tokens=100,
                            seed=int(start)):
             out.append(dataclasses.replace(r, request_id=f"r{len(out)}", arrival_s=start + r.arrival_s,
@@ -50,20 +53,20 @@ def test_the_planner_follows_a_doubling_and_a_fall_without_losing_a_request() ->
     requests = _phases()
     sim.run(requests, controller=deployment.tick, tick_s=INTERVAL)
     decisions = deployment.decisions
-    before = max(d.target["agg"] for d in decisions if 300 <= d.at_s < 600)
-    grown = [d for d in decisions if 600 < d.at_s <= 600 + 2 * INTERVAL and d.target["agg"] > before]
+    before = max(d.target["agg"] for d in decisions if RISE_S / 2 <= d.at_s < RISE_S)
+    grown = [d for d in decisions if RISE_S < d.at_s <= RISE_S + 2 * INTERVAL and d.target["agg"] > before]
     assert grown, "the doubled load should raise the target within two intervals"
-    peak = max(d.target["agg"] for d in decisions if 600 <= d.at_s < 1200)
-    late = [d.target["agg"] for d in decisions if d.at_s >= 1200 + 8 * INTERVAL]
+    peak = max(d.target["agg"] for d in decisions if RISE_S <= d.at_s < FALL_S)
+    late = [d.target["agg"] for d in decisions if d.at_s >= FALL_S + 8 * INTERVAL]
     assert late and max(late) < peak, "the fall should remove replicas after the sustained period"
-    first_cut = next(d for d in decisions if d.at_s > 1200 and any(a.delta < 0 for a in d.actions))
-    assert first_cut.at_s >= 1200 + 3 * INTERVAL  # four decisions must agree first
+    first_cut = next(d for d in decisions if d.at_s > FALL_S and any(a.delta < 0 for a in d.actions))
+    assert first_cut.at_s >= FALL_S + 3 * INTERVAL  # four decisions must agree first
     assert all(r.finished for r in sim.records.values()) and len(sim.records) == len(requests)
     for d in decisions:
         assert d.reason and (not d.actions or any(a.describe() in d.reason for a in d.actions))
     assert sum(1 for c in sim.change_log if c.action == "add") >= 1
     # the observer's load shape: equal 8k prompts have no spread; the busiest second is whole prompts
-    busy = [d.observed for d in decisions if d.observed.requests and d.at_s <= 1200]
+    busy = [d.observed for d in decisions if d.observed.requests and d.at_s <= FALL_S]
     assert all(o.isl_cv2 == 0.0 for o in busy if o.requests >= 2)
     assert all(o.peak_prompt_tokens_per_s % 8000 == 0 and o.peak_prompt_tokens_per_s >= 8000 for o in busy)
     assert max(o.peak_prompt_tokens_per_s for o in busy) >= 3 * 8000  # Poisson at 4 req/s bunches up
@@ -77,7 +80,7 @@ def test_the_planner_follows_a_doubling_and_a_fall_without_losing_a_request() ->
 
 def test_planner_simulate_command_with_baselines(tmp_path: Path) -> None:
     out = tmp_path / "plan.json"
-    code = main(["planner", "simulate", "--synthetic", "poisson", "--rate", "1.5", "--duration-s", "600",
+    code = main(["planner", "simulate", "--synthetic", "poisson", "--rate", "1.5", "--duration-s", "300",
                  "--isl", "8000", "--osl", "100", "--model", "llama-3.1-70b", "--gpu", "h100", "--layout", "tp4",
                  "--agg", "1", "--ttft-ms", "1000", "--itl-ms", "50", "--predictor", "constant", "--json", str(out)])
     assert code == 0
