@@ -10,9 +10,9 @@ import dataclasses
 import pytest
 
 from tests.planner.test_constrain import Steady
-from tokenmill.planner.constrain import Limits
+from tokenmill.planner.constrain import Constrainer, Limits
 from tokenmill.planner.decision import Decision
-from tokenmill.planner.flags import add_planner_arguments, check_fast_path
+from tokenmill.planner.flags import add_planner_arguments, check_planner_flags
 from tokenmill.planner.setup import make_planner
 from tokenmill.planner.simulated import SimulatedDeployment
 from tokenmill.sim.fleet.arrivals import TraceRequest
@@ -72,11 +72,23 @@ def test_a_step_gets_capacity_within_one_start_up_and_10_s() -> None:
     assert not any(d.path == "fast" for d in slow)
 
 
-def test_a_fast_path_period_outside_the_interval_is_refused() -> None:
+def test_bad_planner_flags_are_refused_naming_them() -> None:
     parser = argparse.ArgumentParser()
     add_planner_arguments(parser)
-    check_fast_path(parser.parse_args([]))  # off by default
-    check_fast_path(parser.parse_args(["--fast-path-s", "5"]))
+    check_planner_flags(parser.parse_args([]))  # off by default
+    check_planner_flags(parser.parse_args(["--fast-path-s", "5"]))
     for bad in ("0", "-1", "30", "45"):
         with pytest.raises(ValueError, match="--fast-path-s"):
-            check_fast_path(parser.parse_args(["--fast-path-s", bad]))
+            check_planner_flags(parser.parse_args(["--fast-path-s", bad]))
+    for flag in ("--burst-quantile", "--forecast-quantile"):
+        with pytest.raises(ValueError, match=flag):
+            check_planner_flags(parser.parse_args([flag, "1.5"]))
+
+
+def test_the_fast_path_leaves_the_sustained_low_count_alone() -> None:
+    """A fast addition to one pool must not reset another pool's run of intervals wanting fewer."""
+    constrainer = Constrainer(Limits(max_step=2, scale_down_intervals=3), {"prefill": 4, "decode": 4})
+    constrainer.apply({"prefill": 2, "decode": 2}, {"prefill": 2, "decode": 4}, {"prefill": 2.0, "decode": 1.0})
+    grown = constrainer.grow({"prefill": 6, "decode": 4}, {"prefill": 2, "decode": 4})
+    assert grown.replicas == {"prefill": 4, "decode": 4} and any("at most 2" in n for n in grown.notes)
+    assert constrainer.below_for["decode"] == 1

@@ -22,10 +22,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-
-def check_burst_quantile(quantile: float | None) -> None:
-    if quantile is not None and not 0.0 < quantile < 1.0:
-        raise ValueError(f"--burst-quantile must be in (0, 1), got {quantile}")
+from tokenmill.planner.flags import check_quantile
 
 
 class BurstForecast:
@@ -39,7 +36,7 @@ class BurstForecast:
 
     def quantile(self, q: float | None) -> float:
         """The forecast at level `q` (0 before any draw); None: the largest draw in the window."""
-        check_burst_quantile(q)
+        check_quantile(q, "--burst-quantile")
         if not self.draws:
             return 0.0
         ordered = sorted(self.draws)

@@ -77,6 +77,15 @@ class Constrainer:
         self._budgets(out, current, notes)
         return Constrained(out, notes)
 
+    def grow(self, wanted: Mapping[str, int], current: Mapping[str, int]) -> Constrained:
+        """Additions only (the fast path): bounds, step and budgets, and no pool's count of
+        intervals wanting fewer is touched, so the sustained-low rule runs on undisturbed."""
+        notes: list[str] = []
+        out = {role: max(self._bounds(role, n, notes), current.get(role, 0)) for role, n in wanted.items()}
+        out = {role: self._step(role, n, current.get(role, 0), notes) for role, n in out.items()}
+        self._budgets(out, current, notes)
+        return Constrained(out, notes)
+
     def _bounds(self, role: str, n: int, notes: list[str]) -> int:
         low, high = self.limits.minimum(role), self.limits.max_replicas.get(role)
         if n < low:

@@ -43,11 +43,18 @@ def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | N
                    help="survivors' share of capacity after a removal, at most")
 
 
-def check_fast_path(args: argparse.Namespace) -> None:
-    """ValueError naming the flag unless the fast path's period is off or within an interval."""
+def check_planner_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flag: the quantiles in (0, 1); the fast path off or within an interval."""
+    check_quantile(args.forecast_quantile, "--forecast-quantile")
+    check_quantile(args.burst_quantile, "--burst-quantile")
     fast, interval = args.fast_path_s, args.planner_interval_s
     if fast is not None and not 0 < fast < interval:
         raise ValueError(f"--fast-path-s must be > 0 and shorter than --planner-interval-s ({interval:g}), got {fast:g}")
+
+
+def check_quantile(quantile: float | None, flag: str) -> None:
+    if quantile is not None and not 0.0 < quantile < 1.0:
+        raise ValueError(f"{flag} must be in (0, 1), got {quantile}")
 
 
 def add_serve_planner_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,17 +15,14 @@ from collections import deque
 
 import numpy as np
 
+from tokenmill.planner.flags import check_quantile
+
 MIN_ERRORS = 5  # a quantile of fewer errors than this says little
-
-
-def check_quantile(quantile: float | None) -> None:
-    if quantile is not None and not 0.0 < quantile < 1.0:
-        raise ValueError(f"--forecast-quantile must be in (0, 1), got {quantile}")
 
 
 class ForecastErrors:
     def __init__(self, quantile: float | None, window: int = 20) -> None:
-        check_quantile(quantile)
+        check_quantile(quantile, "--forecast-quantile")
         self.quantile = quantile
         self.errors: deque[float] = deque(maxlen=window)
         self._pending: float | None = None  # the forecast made for the coming interval

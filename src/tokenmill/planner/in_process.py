@@ -15,9 +15,7 @@ from typing import Any
 
 import httpx
 
-from tokenmill.planner.bursts import check_burst_quantile
-from tokenmill.planner.flags import check_fast_path
-from tokenmill.planner.headroom import check_quantile
+from tokenmill.planner.flags import check_planner_flags
 from tokenmill.planner.live import LiveDeployment
 from tokenmill.planner.metrics import PlannerMetrics
 from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
@@ -29,9 +27,7 @@ log = logging.getLogger(__name__)
 def check_flags(args: argparse.Namespace) -> None:
     """Refuse bad planner flags before anything starts (ValueError naming the flag)."""
     limits_from(args)
-    check_quantile(args.forecast_quantile)
-    check_burst_quantile(args.burst_quantile)
-    check_fast_path(args)
+    check_planner_flags(args)
     text = args.planner_profile or getattr(args, "mock_profile", None)
     if not text:
         raise ValueError("--planner-profile: the planner needs a replica profile (or workers with --mock-profile)")

@@ -26,7 +26,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from tokenmill.planner.bursts import BurstForecast, check_burst_quantile
+from tokenmill.planner.bursts import BurstForecast
+from tokenmill.planner.flags import check_quantile
 from tokenmill.planner.observation import Observation
 from tokenmill.planner.perf_model import POISSON_VARIABILITY
 
@@ -37,7 +38,7 @@ MAX_STREAM_PEAK_RATIO = 3.0
 
 class LoadShape:
     def __init__(self, window: int = 10, burst_quantile: float | None = None, burst_window: int = 40) -> None:
-        check_burst_quantile(burst_quantile)
+        check_quantile(burst_quantile, "--burst-quantile")
         self.spreads: deque[float] = deque(maxlen=window)
         self.burst_quantile = burst_quantile
         self.bursts = BurstForecast(window if burst_quantile is None else burst_window)

@@ -87,7 +87,7 @@ class Planner:
         proposal = self.proposer.predictive(window, obs)
         wanted = {role: max(proposal.replicas[role], current[role] + 1) if role in late else current[role]
                   for role in current}
-        constrained = self.constrainer.apply(wanted, current, _need(proposal))
+        constrained = self.constrainer.grow(wanted, current)
         decision.proposed, decision.target = wanted, constrained.replicas
         decision.proposal_reasons = [f"{role}: {why} now" for role, why in late.items()] + proposal.reasons
         decision.constraints, decision.inputs = constrained.notes, proposal.inputs

@@ -21,9 +21,7 @@ from pathlib import Path
 import httpx
 
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
-from tokenmill.planner.bursts import check_burst_quantile
-from tokenmill.planner.flags import add_planner_arguments, check_fast_path
-from tokenmill.planner.headroom import check_quantile
+from tokenmill.planner.flags import add_planner_arguments, check_planner_flags
 from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
 from tokenmill.sim.fleet.clock import parse_profile
 
@@ -61,9 +59,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--ttft-ms and --itl-ms must be > 0")
         if args.planner_interval_s <= 0:
             raise ValueError("--planner-interval-s must be > 0")
-        check_quantile(args.forecast_quantile)
-        check_burst_quantile(args.burst_quantile)
-        check_fast_path(args)
+        check_planner_flags(args)
     except ValueError as exc:
         print(f"error: {exc}")
         return 2

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.planner.decision import Decision
-from tokenmill.planner.flags import add_planner_arguments, check_fast_path
+from tokenmill.planner.flags import add_planner_arguments, check_planner_flags
 from tokenmill.planner.observation import Observation
 from tokenmill.planner.planner import Forecaster
 from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
@@ -68,7 +68,7 @@ def initial_config(args: argparse.Namespace) -> FleetConfig:
         raise ValueError("--prefill/--decode: a planned disaggregated fleet starts with both pools")
     if args.change:
         raise ValueError("--change: the planner makes the fleet's changes")
-    check_fast_path(args)
+    check_planner_flags(args)
     return build_config(args)
 
 
