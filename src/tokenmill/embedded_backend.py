@@ -105,6 +105,8 @@ class LocalBackend:
             snapshot[f"tokenmill_worker_num_running{worker}"] = float(stats.num_running)
             snapshot[f"tokenmill_worker_prefill_tokens{worker}"] = float(stats.prefill_tokens)
             snapshot[f"tokenmill_worker_onboarded_tokens{worker}"] = float(stats.onboarded_tokens)
+            snapshot[f"tokenmill_worker_spec_draft_tokens{worker}"] = float(stats.spec_draft_tokens)
+            snapshot[f"tokenmill_worker_spec_accepted_tokens{worker}"] = float(stats.spec_accepted_tokens)
             snapshot.update(tier_gauges(self.worker_id, tier_load(stats.tier_stats)))
         return snapshot
 

@@ -10,6 +10,8 @@ The rules, in order (`waiting` is a FIFO; `running` is in admission order):
 1. Running sequences with one uncomputed token (decodes) first, then those with more (prefills),
    each in `running` order; each computes min(its uncomputed tokens, the step's budget left),
    so a long prompt is cut into chunks and never stalls decodes for more than one chunk.
+   A decode with speculative drafts also computes as many of them as the budget left allows,
+   when the pool holds them without preempting anyone (else it decodes its one token).
 2. When the pool cannot hold a running sequence's next tokens, the latest-admitted running
    sequence not yet scheduled this step (the sequence itself if there is no other) is preempted:
    `book.preempt` frees its blocks (they stay in the prefix cache), and it moves to the front of
@@ -57,6 +59,9 @@ class StepBook(Protocol[S]):
     def computed(self, seq: S) -> int:
         """Of those, the tokens whose K/V are in this worker's pool."""
 
+    def drafts(self, seq: S) -> int:
+        """Speculative tokens proposed after its known ones (0 without speculation)."""
+
     def is_running(self, seq: S) -> bool: ...
 
     def grow(self, seq: S, num_tokens: int) -> bool:
@@ -93,6 +98,10 @@ def plan_step(book: StepBook[S], waiting: deque[S], running: list[S], limits: St
 def _schedule_running(book: StepBook[S], seq: S, budget: int, waiting: deque[S], running: list[S],
                       step: PlannedStep[S]) -> int:
     n = min(book.known(seq) - book.computed(seq), budget)
+    drafts = min(book.drafts(seq), budget - 1) if n == 1 else 0
+    if drafts and book.grow(seq, book.computed(seq) + 1 + drafts):
+        step.chunks.append((seq, book.computed(seq), 1 + drafts))
+        return 1 + drafts
     while not book.grow(seq, book.computed(seq) + n):
         scheduled = {id(chunk[0]) for chunk in step.chunks}  # only here: per sequence it made steps O(batch²)
         victims = [s for s in running if id(s) not in scheduled and s is not seq]

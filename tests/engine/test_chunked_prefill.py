@@ -22,8 +22,7 @@ def test_long_prompt_never_stalls_decodes(tiny_dense: Path) -> None:
         out = engine.scheduler.schedule()
         prefill = sum(s.num_tokens for s in out.seqs if s.request.request_id == "long")
         sampled = engine.runner.execute(out, engine.kv)
-        engine.scheduler.advance(out)
-        engine._process(out, sampled)
+        engine._process(engine.scheduler, out, sampled)
         prefill_steps += 1
         assert 0 < prefill <= chunk_budget - len(decoding)
         for r in decoding:  # every running decode advanced in this very step

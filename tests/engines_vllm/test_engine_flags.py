@@ -25,16 +25,12 @@ def tokenmill(python: str | Path, *argv: str) -> subprocess.CompletedProcess:
     (["--engine", "vllm", "--engine-arg", "no_such_option=1"], "--engine-arg no-such-option=1"),
     (["--engine", "vllm", "--engine-arg", "dtype"], "--engine-arg 'dtype'"),
     (["--engine", "vllm", "--", "--dtype", "float64"], "--dtype"),
-    (["--engine", "vllm", "--block-size", "16"], "--block-size 16"),
-    (["--engine", "vllm", "--engine-arg", "block_size=64"], "--block-size 32"),
     (["--engine", "vllm", "--engine-python", "/nonexistent/python"], "--engine-python /nonexistent/python"),
     (["--engine", "vllm", "--prefill", "1", "--decode", "1", "--kv-transfer-backends", "shm"],
      "--kv-transfer-backends shm"),
-    (["--engine", "vllm", "--prefill", "1", "--decode", "1", "--engine-arg",
-      'kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'],
-     "--engine-arg kv_transfer_config"),
     (["--engine", "vllm", "--kv-host-gb", "1"], "--kv-host-gb"),
     (["--engine", "vllm", "--tp", "2"], "--tp"),
+    (["--engine", "vllm", "--speculative", "ngram"], "--speculative"),
 ])
 def test_serve_refuses_bad_engine_flags_naming_them(small_llama: Path, flags: list[str], named: str) -> None:
     result = tokenmill(sys.executable, "serve", "--model", str(small_llama), "--port", "0",
@@ -57,38 +53,78 @@ def test_a_missing_vllm_venv_says_how_to_install_it(small_llama: Path, tmp_path:
     assert result.returncode == 2 and "make install-vllm" in result.stderr, result.stderr
 
 
-def test_the_worker_accepts_good_vllm_options(small_llama: Path) -> None:
-    result = tokenmill(VLLM_PYTHON, "worker", "--model", str(small_llama), "--engine", "vllm", "--check-only",
-                       "--engine-arg", "enforce_eager=true", "--engine-arg", "max_num_seqs=8", "--",
-                       "--max-num-batched-tokens", "1024")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "accepted" in result.stdout
+# Each case is `tokenmill worker ... --check-only` as `serve` runs it in vLLM's venv before starting
+# any worker (the serve cases above show serve passing the worker's one line on); all of them run
+# in one process of that venv, which imports vLLM once instead of once per case.
+WORKER_CASES: dict[str, list[str]] = {
+    "good": ["--engine-arg", "enforce_eager=true", "--engine-arg", "max_num_seqs=8", "--",
+             "--max-num-batched-tokens", "1024"],
+    "block size 16": ["--block-size", "16"],
+    "vLLM given another block size": ["--engine-arg", "block_size=64"],
+    "a transfer connector of vLLM's": ["--role", "decode", "--engine-arg",
+                                       'kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'],
+}
 
-
-COMPOSED = """
-import argparse, json, sys, tempfile
+CHECKS = """
+import argparse, contextlib, io, json, sys, tempfile
 from pathlib import Path
+from tokenmill.cli import main
 from tokenmill.engines.vllm.config import EventEndpoints, engine_args_from
 from tokenmill.worker.main import add_arguments
+job = json.load(sys.stdin)
+results = {}
+for name, argv in job["cases"].items():
+    split = argv.index("--") if "--" in argv else len(argv)  # vLLM's own flags stay last
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["--log-level", "WARNING", "worker", *job["common"], *argv[:split], "--check-only", *argv[split:]])
+    results[name] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 parser = argparse.ArgumentParser()
 add_arguments(parser)
-args = parser.parse_args(sys.argv[1:])
+args = parser.parse_args([*job["common"], "--role", "decode", "--engine-arg", "kv_offloading_size=2"])
 args.block_size = 32
 config = engine_args_from(args, EventEndpoints.in_dir(Path(tempfile.mkdtemp()))).kv_transfer_config
-print(json.dumps({"connector": config.kv_connector, "policy": config.kv_load_failure_policy,
-                  "extra": config.kv_connector_extra_config}))
+results["composed"] = {"connector": config.kv_connector, "policy": config.kv_load_failure_policy,
+                       "extra": config.kv_connector_extra_config}
+with open(sys.argv[1], "w") as f:
+    json.dump(results, f)
 """
 
 
-def test_a_decode_worker_with_vllm_offload_runs_both_connectors(small_llama: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def worker_checks(small_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every case of WORKER_CASES (and the composed connectors below), run in one vLLM-venv process."""
+    run_dir = tmp_path_factory.mktemp("worker-checks")
+    common = ["--model", str(small_llama), "--engine", "vllm", "--discovery", f"file:{run_dir / 'registry'}"]
+    job = json.dumps({"common": common, "cases": WORKER_CASES})
+    done = subprocess.run([str(VLLM_PYTHON), "-c", CHECKS, str(run_dir / "results.json")], input=job,
+                          capture_output=True, text=True, timeout=CHECK_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((run_dir / "results.json").read_text())
+
+
+def test_the_worker_accepts_good_vllm_options(worker_checks: dict[str, dict]) -> None:
+    good = worker_checks["good"]
+    assert good["code"] == 0, good["stderr"][-2000:]
+    assert "accepted" in good["stdout"]
+
+
+@pytest.mark.parametrize(("case", "named"), [
+    ("block size 16", "--block-size 16"),
+    ("vLLM given another block size", "--block-size 32"),
+    ("a transfer connector of vLLM's", "--engine-arg kv_transfer_config"),
+])
+def test_the_worker_refuses_options_vllm_would_run_wrongly(worker_checks: dict[str, dict], case: str,
+                                                          named: str) -> None:
+    result = worker_checks[case]
+    errors = [line for line in result["stderr"].splitlines() if line.startswith("error:")]
+    assert result["code"] == 2 and len(errors) == 1 and named in errors[0], result["stderr"][-2000:]
+
+
+def test_a_decode_worker_with_vllm_offload_runs_both_connectors(worker_checks: dict[str, dict]) -> None:
     """vLLM would replace the transfer connector with its offloading one: the worker composes both
     in vLLM's MultiConnector instead (its offload itself runs on CUDA hosts only; see docs/vllm.md)."""
-    result = subprocess.run([str(VLLM_PYTHON), "-c", COMPOSED, "--model", str(small_llama), "--engine", "vllm",
-                             "--role", "decode", "--discovery", f"file:{tmp_path / 'registry'}",
-                             "--engine-arg", "kv_offloading_size=2"],
-                            capture_output=True, text=True, timeout=CHECK_S)
-    assert result.returncode == 0, result.stderr[-2000:]
-    config = json.loads(result.stdout.strip().splitlines()[-1])
+    config = worker_checks["composed"]
     assert config["connector"] == "MultiConnector" and config["policy"] == "recompute"
     first, second = config["extra"]["connectors"]
     assert first["kv_connector"] == "TokenmillConnector" and first["kv_connector_extra_config"]["worker_id"]

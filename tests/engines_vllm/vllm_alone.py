@@ -15,6 +15,7 @@ def main() -> None:
     job = json.load(sys.stdin)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.dirname(os.path.abspath(sys.argv[1])))  # not /tmp
     # the engine core in this process: a reference run then imports vLLM once, not three times
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams

@@ -41,13 +41,13 @@ class Engine:
 
     def step(self) -> tuple[list[tuple[str, int, int]], list[str]]:
         out = self.scheduler.schedule()
-        self.scheduler.advance(out)
         for seq in out.seqs:
             request = seq.request
             if seq.samples:  # a token no other request generates: generated blocks are never shared
                 request.append_token(hash((request.request_id, request.num_tokens)) % 30_000 + 5_000, None)
-                if len(request.output_token_ids) >= self.wanted[request.request_id]:
-                    self.scheduler.finish(request, FINISH_LENGTH)
+            self.scheduler.advance(seq)
+            if seq.samples and len(request.output_token_ids) >= self.wanted[request.request_id]:
+                self.scheduler.finish(request, FINISH_LENGTH)
         return [(s.request.request_id, s.start, s.num_tokens) for s in out.seqs], out.preempted
 
     def queues(self) -> tuple[list[str], list[str]]:

@@ -10,6 +10,7 @@ import math
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.mock_runner import StepTimeModel
+from tokenmill.engine.speculative import SpeculativeConfig
 from tokenmill.engines.options import VLLM_BLOCK_SIZE
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 
@@ -45,6 +46,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dp", type=int, default=1,
                    help="with --ep N: N attention data-parallel ranks, each scheduling its own requests on "
                         "its own KV pool while the experts stay split (the wide-EP layout)")
+    g.add_argument("--speculative", default=None, metavar="ngram",
+                   help="speculative decoding: 'ngram' drafts the tokens that followed the latest earlier "
+                        "occurrence of the sequence's last 1-3 tokens (prompt lookup; no extra model), and "
+                        "each decode step verifies them in one forward pass (torch runner)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="drafts per request per step with --speculative (default 4)")
     add_tier_arguments(parser)
 
 
@@ -75,6 +82,7 @@ def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0
         kv_host_gb=args.kv_host_gb, kv_disk_dir=args.kv_disk_dir, kv_disk_gb=args.kv_disk_gb,
         kv_shared=args.kv_shared, kv_shared_gb=args.kv_shared_gb, kv_write_through=args.kv_write_through,
         kv_pin_file=args.kv_pin_file,
+        speculative=SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens),
     )
     if config.tp != 1 or config.ep != 1 or config.attention_dp != 1:
         from tokenmill.engine.parallel.shard import check_layout
@@ -123,7 +131,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
                 "--mock-step-time": args.mock_step_time, "--mock-profile": args.mock_profile,
                 "--mock-speedup": args.mock_speedup, "--kv-host-gb": args.kv_host_gb,
                 "--kv-disk-dir": args.kv_disk_dir, "--kv-disk-gb": args.kv_disk_gb, "--kv-shared": args.kv_shared,
-                "--kv-shared-gb": args.kv_shared_gb, "--kv-pin-file": args.kv_pin_file}
+                "--kv-shared-gb": args.kv_shared_gb, "--kv-pin-file": args.kv_pin_file,
+                "--speculative": args.speculative, "--num-speculative-tokens": args.num_speculative_tokens}
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, str(value)]

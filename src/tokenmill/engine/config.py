@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenmill.engine.cpu_features import DtypeChoice, choose_auto_dtype, memory_bytes
 from tokenmill.engine.mock_runner import StepTimeModel
+from tokenmill.engine.speculative import SpeculativeConfig
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.step_work import StepClock
 from tokenmill.textgen.model_config import ModelConfig
@@ -56,6 +60,7 @@ class EngineConfig:
     kv_shared_gb: float | None = None  # default 1 GiB when kv_shared is set
     kv_write_through: bool = False
     kv_pin_file: str | None = None  # JSON lines: a prompt string or a list of token ids
+    speculative: SpeculativeConfig | None = None  # draft tokens each decode step verifies (torch runner)
 
     @property
     def rank_threads(self) -> int | None:
@@ -86,6 +91,16 @@ class EngineConfig:
         if not callable(getattr(self.mock_step_time, "seconds", None)):
             raise ValueError("mock_step_time must have a seconds(StepWork) method")
         self._validate_tiers()
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        if self.speculative is None:
+            return
+        if self.runner != "torch":
+            raise ValueError("--speculative needs --runner torch: the mock runner's tokens are a hash of the "
+                             "sequence, so drafts would verify nothing")
+        if self.tp != 1 or self.ep != 1 or self.attention_dp != 1:
+            raise ValueError("--speculative works with --tp, --ep and --attention-dp 1 for now")
 
     def _validate_tiers(self) -> None:
         for name in ("kv_host_gb", "kv_disk_gb", "kv_shared_gb"):
@@ -103,8 +118,17 @@ class EngineConfig:
                              "the mock runner holds no KV to offload")
 
     def dtype_name(self, model_cfg: ModelConfig) -> str:
-        name = model_cfg.checkpoint_dtype if self.dtype == "auto" else self.dtype
-        return name if name in DTYPES else "float32"
+        return self.dtype_choice(model_cfg).dtype
+
+    def dtype_choice(self, model_cfg: ModelConfig) -> DtypeChoice:
+        """The dtype weights and KV run in: the flag's; for `auto` the checkpoint's, except that the
+        torch runner takes fp32 on a CPU without instructions for the checkpoint's (and says why)."""
+        if self.dtype != "auto":
+            return DtypeChoice(self.dtype)
+        name = model_cfg.checkpoint_dtype if model_cfg.checkpoint_dtype in DTYPES else "float32"
+        if self.runner != "torch" or name == "float32":
+            return DtypeChoice(name)
+        return choose_auto_dtype(name, _fp32_weight_bytes(self.model, DTYPES[name]), memory_bytes())
 
     def torch_dtype(self, model_cfg: ModelConfig) -> torch.dtype:
         import torch
@@ -118,3 +142,9 @@ class EngineConfig:
         itemsize = DTYPES[self.dtype_name(model_cfg)]
         per_block = 2 * model_cfg.num_layers * self.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
         return max(1, int(gb * 2**30) // per_block)
+
+
+@cache
+def _fp32_weight_bytes(model: str, itemsize: int) -> int:
+    """The checkpoint's weights in fp32: its safetensors files, widened from `itemsize` bytes."""
+    return sum(path.stat().st_size for path in Path(model).glob("*.safetensors")) * 4 // itemsize

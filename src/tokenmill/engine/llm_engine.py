@@ -18,7 +18,8 @@ from tokenmill.engine.mock_runner import MockRunner
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request
 from tokenmill.engine.runner_protocol import KVAllocator, ModelRunner, Sampled
-from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.engine.speculative import next_draft_limit, num_accepted, propose_ngram
 from tokenmill.kv.block_pool import BlockPool
 from tokenmill.kv.cache_manager import KVCacheManager
 from tokenmill.kv.events import KVEventEmitter
@@ -54,6 +55,8 @@ class EngineStats:
     device_hit_tokens: int = 0  # ... and found on the device
     num_held: int = 0  # prefill-only requests holding KV for a decode worker
     num_importing: int = 0  # requests waiting for their prompt KV to arrive
+    spec_draft_tokens: int = 0  # speculative tokens verified by the target model
+    spec_accepted_tokens: int = 0  # ... and confirmed by it (emitted without a step of their own)
     tier_stats: dict[str, Any] = field(default_factory=dict)  # TieredKVManager.stats(); {} without tiers
     request_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (prefill, decode) blocks
 
@@ -81,7 +84,7 @@ class LLMEngine:
         self.handoff = KVHandoff(self.scheduler, self.kv)
         self.tiers = self._attach_tiers() if config.kv_tiers_enabled else None
         self.requests: dict[str, Request] = {}
-        self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0)
+        self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0, drafted=0, accepted=0)
         self._seconds = dict(prefill=0.0, decode=0.0)
 
     def _rank_schedulers(self, num_blocks: int) -> tuple[list[BlockPool], list[KVCacheManager], list[Scheduler]]:
@@ -120,6 +123,9 @@ class LLMEngine:
         from tokenmill.engine.runner import TorchModelRunner  # torch: only for a real forward pass
         from tokenmill.engine.weights import load_model
 
+        choice = self.config.dtype_choice(cfg)
+        if choice.reason:
+            log.info("--dtype auto: %s, %s", choice.dtype, choice.reason)
         dtype = self.config.torch_dtype(cfg)
         if self.config.tp != 1 or self.config.ep != 1 or self.config.attention_dp != 1:  # (below 1: refused)
             from tokenmill.engine.parallel.start import parallel_runner
@@ -289,8 +295,7 @@ class LLMEngine:
         self._record_step(outs, time.perf_counter() - t0)
         results = []
         for scheduler, out in zip(self.schedulers, outs):
-            scheduler.advance(out)
-            results += self._process(out, sampled)
+            results += self._process(scheduler, out, sampled)
         return results
 
     def _record_step(self, outs: list[SchedulerOutput], seconds: float) -> None:
@@ -304,18 +309,64 @@ class LLMEngine:
             self._seconds["decode"] += seconds
             self._counters["decode_steps"] += 1
 
-    def _process(self, out: SchedulerOutput, sampled: Sampled) -> list[RequestOutput]:
+    def _process(self, scheduler: Scheduler, out: SchedulerOutput, sampled: Sampled) -> list[RequestOutput]:
+        """Each sequence's step recorded; an output for each that sampled (in step order)."""
         results = []
         for seq in out.seqs:
-            request = seq.request
-            if request.request_id not in sampled:
+            rows = sampled.get(seq.request.request_id)
+            if rows is None:  # a prompt chunk short of the prompt's end
+                scheduler.advance(seq)
                 continue
-            token, logprob = sampled[request.request_id]
-            request.append_token(token, logprob)
-            results.append(self._finish_or_continue(request, token, logprob))
+            results.append(self._emit(scheduler, seq, rows))
         return results
 
-    def _finish_or_continue(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def _emit(self, scheduler: Scheduler, seq: ScheduledSeq, rows: list[tuple[int, TokenLogprob | None]]
+              ) -> RequestOutput:
+        """Append the step's tokens (the drafts the target confirmed, then its own next token),
+        each checked for a stop as if it had been decoded alone; record the step; finish the
+        request or draft its next tokens."""
+        request = seq.request
+        accepted = num_accepted(request.draft_token_ids[:seq.num_drafts], [token for token, _ in rows])
+        self._record_drafts(request, seq.num_drafts, accepted)
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        text, stop = "", None
+        for token, logprob in rows[:accepted + 1]:
+            request.append_token(token, logprob)
+            tokens.append(token)
+            logprobs += [logprob] if logprob is not None else []
+            stop, delta = self._check_stop(request, token)
+            text += delta
+            if stop is not None:
+                break
+        scheduler.advance(seq)
+        pending = self.output.pending_tokens(request.request_id)
+        if stop is None and request.prefill_only:
+            return self._hand_off(request, tokens[-1], text, logprobs[-1] if logprobs else None, pending)
+        if stop is not None:
+            reason, stop_token = stop
+            if stop_token is not None:
+                request.stop_reason = stop_token
+            scheduler.finish(request, reason)
+            self.output.remove(request.request_id)
+            del self.requests[request.request_id]
+        else:
+            request.draft_token_ids = self._propose(request)
+        return RequestOutput(
+            request.request_id, tokens, text, request.is_finished, request.finish_reason,
+            request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
+            logprobs, request.stop_reason, pending,
+        )
+
+    def _record_drafts(self, request: Request, drafted: int, accepted: int) -> None:
+        self._counters["drafted"] += drafted
+        self._counters["accepted"] += accepted
+        if self.config.speculative is not None:
+            limit = request.draft_limit or self.config.speculative.num_tokens
+            request.draft_limit = next_draft_limit(limit, drafted, accepted, self.config.speculative)
+
+    def _check_stop(self, request: Request, token: int) -> tuple[tuple[str, int | None] | None, str]:
+        """(stop or None, the token's new text) after appending `token`."""
         stop = self.output.check_token_stop(request, token)
         if request.matcher is not None and advance(request.matcher, token) and stop is None:
             stop = (FINISH_STOP, None)  # the grammar is complete: nothing but EOS could follow
@@ -323,21 +374,19 @@ class LLMEngine:
         if stop is None and matched is not None:
             stop = (FINISH_STOP, None)
             request.stop_reason = matched
-        pending = self.output.pending_tokens(request.request_id)
-        if stop is None and request.prefill_only:
-            return self._hand_off(request, token, text, logprob, pending)
-        if stop is not None:
-            reason, stop_token = stop
-            if stop_token is not None:
-                request.stop_reason = stop_token
-            self._scheduler_of(request).finish(request, reason)
-            self.output.remove(request.request_id)
-            del self.requests[request.request_id]
-        return RequestOutput(
-            request.request_id, [token], text, request.is_finished, request.finish_reason,
-            request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
-            [logprob] if logprob is not None else [], request.stop_reason, pending,
-        )
+        return stop, text
+
+    def _propose(self, request: Request) -> list[int]:
+        """Drafts for the request's next step: none without speculation, for a structured output
+        (its grammar would have to vet them) or a prefill-only request; never past max_tokens or
+        the context length."""
+        spec = self.config.speculative
+        if spec is None or request.matcher is not None or request.prefill_only:
+            return []
+        # a step emits up to drafts + 1 tokens, and computes positions up to num_tokens - 1 + drafts
+        room = min(request.params.max_tokens - len(request.output_token_ids) - 1,
+                   self.max_model_len - request.num_tokens - 1, request.draft_limit or spec.num_tokens)
+        return propose_ngram(request.token_ids, spec, room)
 
     def _hand_off(self, request: Request, token: int, text: str, logprob: TokenLogprob | None,
                   pending: int) -> RequestOutput:
@@ -396,5 +445,6 @@ class LLMEngine:
             prefill_blocks=prefill_blocks, decode_blocks=decode_blocks, request_blocks=request_blocks,
             onboarded_tokens=self.kv.stats.onboarded_tokens, queried_tokens=queried, device_hit_tokens=hits,
             num_held=len(self.handoff.held), num_importing=len(self.handoff.importing),
+            spec_draft_tokens=c["drafted"], spec_accepted_tokens=c["accepted"],
             tier_stats=self.tiers.stats() if self.tiers is not None else {},
         )

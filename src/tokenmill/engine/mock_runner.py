@@ -85,7 +85,7 @@ class MockRunner:
             self._wait(seconds / self.speedup, {s.request.request_id for s in out.seqs})
         elif self.defer_waits:
             self._pending_end = time.perf_counter()
-        return {s.request.request_id: (self._token_for(s.request), None) for s in out.seqs if s.samples}
+        return {s.request.request_id: [(self._token_for(s.request), None)] for s in out.seqs if s.samples}
 
     def _token_for(self, request: Request) -> int:
         if request.matcher is None:

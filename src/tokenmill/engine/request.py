@@ -37,6 +37,10 @@ class Request:
     prefill_only: bool = False  # stop after the first token and hold the KV (disaggregated prefill)
     dp_rank: int = 0  # the attention data-parallel rank whose scheduler and KV pool hold it
     matcher: Any = None  # the grammar's matcher (llguidance) while a structured output is generated
+    # speculative tokens after `token_ids`, proposed for the next step and not verified yet: they
+    # never enter `token_ids`, the prefix cache or the outputs until the target model confirms them
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_limit: int | None = None  # drafts to propose next (speculative.next_draft_limit); None: the most
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -61,6 +65,12 @@ class Request:
         if not self.output_offset:
             return self.output_token_ids
         return self.prompt_token_ids[len(self.prompt_token_ids) - self.output_offset:] + self.output_token_ids
+
+    def tokens_at(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end), drafts past the known tokens included."""
+        if end <= len(self.token_ids):
+            return self.token_ids[start:end]
+        return (self.token_ids + self.draft_token_ids)[start:end]
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
         self.token_ids.append(token_id)

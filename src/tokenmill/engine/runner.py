@@ -57,14 +57,16 @@ class TorchModelRunner:
 
     def _sample(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
                 masks: tuple[list[int], Future[np.ndarray]] | None) -> Sampled:
-        """A token for each of `sampling`, from its row of `logits` (in the same order)."""
-        rows = [SampleRow(s.request.params, s.request.output_offset + len(s.request.output_token_ids),
-                          s.request.all_output_token_ids if s.request.params.penalised else (),
-                          s.request.prompt_token_ids)
-                for s in sampling]
-        allowed = (masks[0], torch.from_numpy(masks[1].result())) if masks is not None else None
+        """The tokens of each of `sampling` from its rows of `logits` (in the same order): one
+        row, or one per draft plus one, each sampled as if the drafts before it were outputs."""
+        rows = [row for s in sampling for row in _sample_rows(s)]
+        first = np.cumsum([0, *(1 + s.num_drafts for s in sampling)]).tolist()  # each one's first row
+        allowed = None
+        if masks is not None:  # a structured output drafts nothing: one row each
+            allowed = ([first[i] for i in masks[0]], torch.from_numpy(masks[1].result()))
         tokens, logprobs = sample(logits, rows, self.generator, allowed)
-        return {s.request.request_id: (t, lp) for s, t, lp in zip(sampling, tokens, logprobs)}
+        return {s.request.request_id: list(zip(tokens[first[i]:first[i + 1]], logprobs[first[i]:first[i + 1]]))
+                for i, s in enumerate(sampling)}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 logits_rows: torch.Tensor) -> torch.Tensor:
@@ -92,21 +94,35 @@ class TorchModelRunner:
             end = seq.start + seq.num_tokens
             blocks = np.asarray(kv.block_ids(seq.request.request_id)[: -(-end // bs)], dtype=np.int64)
             pos = np.arange(seq.start, end, dtype=np.int64)
-            if seq.num_tokens == 1 and self.native_decode:
-                decodes.append((len(ids), blocks, end))
+            if self.native_decode and seq.num_tokens == 1 + seq.num_drafts:
+                # a decode, and each draft row too: a single query seeing every key up to its own
+                decodes += [(len(ids) + i, blocks, seq.start + i + 1) for i in range(seq.num_tokens)]
             else:
                 spans.append(SeqSpan(len(ids), seq.num_tokens, end, torch.from_numpy(blocks)))
-            ids.extend(seq.request.token_ids[seq.start:end])
+            ids.extend(seq.request.tokens_at(seq.start, end))
             positions.append(pos)
             slots.append(blocks[pos // bs] * bs + pos % bs)
             if seq.samples:
-                logits_rows.append(len(ids) - 1)
+                logits_rows.extend(range(len(ids) - 1 - seq.num_drafts, len(ids)))
         if not ids:  # an attention-DP rank with nothing scheduled still joins the step
             positions = slots = [np.zeros(0, dtype=np.int64)]
         batch = AttentionBatch(torch.from_numpy(np.concatenate(slots)), spans, _decode_batch(decodes),
                                self.native_prefill)
         return (torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)),
                 batch, torch.tensor(logits_rows, dtype=torch.long))
+
+
+def _sample_rows(seq: ScheduledSeq) -> list[SampleRow]:
+    """The sampling rows of a sequence: its next token's, and after each draft the next one's,
+    counting the drafts before it as outputs (penalties, seed stream)."""
+    request = seq.request
+    drafts = request.draft_token_ids[:seq.num_drafts]
+    penalised = request.params.penalised
+    outputs = request.all_output_token_ids if penalised else ()
+    index = request.output_offset + len(request.output_token_ids)
+    return [SampleRow(request.params, index + i, [*outputs, *drafts[:i]] if i and penalised else outputs,
+                      request.prompt_token_ids)
+            for i in range(1 + len(drafts))]
 
 
 def _decode_batch(decodes: list[tuple[int, np.ndarray, int]]) -> DecodeBatch | None:

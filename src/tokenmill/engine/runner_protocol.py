@@ -15,14 +15,16 @@ if TYPE_CHECKING:
     from tokenmill.engine.scheduler import SchedulerOutput
     from tokenmill.kv.cache_manager import KVCacheManager
 
-Sampled = dict[str, tuple[int, TokenLogprob | None]]
+# request id -> (token, logprob) per sampled row: one, or one per verified draft plus one
+Sampled = dict[str, list[tuple[int, TokenLogprob | None]]]
 # (shape, torch dtype) -> zero-filled tensor: lets a worker put the KV pool in shared memory
 KVAllocator = Callable[[tuple[int, ...], Any], Any]
 
 
 class ModelRunner(Protocol):
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
-        """Compute the step; return a token for every request whose step reached its end."""
+        """Compute the step; return the tokens of every request whose step reached its end: one,
+        or with drafts the target's token at each of the draft rows and after them."""
         ...
 
     def close(self) -> None:

@@ -24,20 +24,25 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ScheduledSeq:
+    """One request's part of a step, as scheduled (the request's tokens grow after the step; these
+    fields do not)."""
     request: Request
     start: int  # first position computed this step
     num_tokens: int
+    num_drafts: int = field(init=False)  # speculative tokens verified, after the request's known ones
+    samples: bool = field(init=False)  # the step reaches the end of the known tokens: it samples
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the end of the request's known tokens."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        end, known = self.start + self.num_tokens, self.request.num_tokens
+        self.num_drafts = max(0, end - known)
+        self.samples = end >= known
 
     @property
     def is_decode(self) -> bool:
+        """One new token past the client's prompt (and the drafts it verifies, if any)."""
         # a continued request's prompt ends with tokens generated elsewhere: past the client's prompt
         client_prompt = self.request.num_prompt_tokens - self.request.output_offset
-        return self.num_tokens == 1 and self.start >= client_prompt
+        return self.num_tokens - self.num_drafts == 1 and self.start >= client_prompt
 
 
 @dataclass(slots=True)
@@ -74,6 +79,9 @@ class _RequestBook:
 
     def computed(self, request: Request) -> int:
         return request.num_computed_tokens
+
+    def drafts(self, request: Request) -> int:
+        return len(request.draft_token_ids)
 
     def is_running(self, request: Request) -> bool:
         return request.status is RequestStatus.RUNNING
@@ -136,9 +144,13 @@ class Scheduler:
         return SchedulerOutput([ScheduledSeq(request, start, n) for request, start, n in step.chunks],
                                [request.request_id for request in step.preempted])
 
-    def advance(self, out: SchedulerOutput) -> None:
-        """Record what the step computed; filled blocks enter the prefix cache."""
-        for seq in out.seqs:
-            request = seq.request
-            request.num_computed_tokens = seq.start + seq.num_tokens
-            self.kv.cache_computed(request.request_id, request.token_ids, request.num_computed_tokens)
+    def advance(self, seq: ScheduledSeq) -> None:
+        """Record what the step computed for `seq`, its sampled tokens already appended: every
+        position before the newest token holds verified K/V (a rejected draft's does not count,
+        and its blocks go back to the pool); filled blocks enter the prefix cache."""
+        request = seq.request
+        request.num_computed_tokens = min(seq.start + seq.num_tokens, request.num_tokens - 1) \
+            if seq.samples else seq.start + seq.num_tokens
+        if seq.num_drafts:
+            self.kv.trim(request.request_id, request.num_tokens)
+        self.kv.cache_computed(request.request_id, request.token_ids, request.num_computed_tokens)

@@ -55,6 +55,9 @@ def check_engine_selection(args: argparse.Namespace) -> None:
                              "(--engine-arg tensor_parallel_size=N)")
     if getattr(args, "runner", "torch") != "torch":
         raise ValueError("--runner: the mock runner is tokenmill's own engine; not with --engine vllm")
+    if getattr(args, "speculative", None) is not None:
+        raise ValueError("--speculative: tokenmill's drafting is the own engine's; a vLLM worker speculates "
+                         "with vLLM's own option (-- --speculative-config '{\"method\": \"ngram\", ...}')")
     tiers = ("kv_host_gb", "kv_disk_dir", "kv_shared", "kv_pin_file")
     given = [t for t in tiers if getattr(args, t, None) is not None]
     if given:

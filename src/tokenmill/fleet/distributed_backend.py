@@ -82,8 +82,7 @@ class DistributedBackend:
             for key in ("kv_usage", "prefix_hit_rate", "num_waiting", "num_running", "prefill_tokens",
                         "onboarded_tokens", "queried_tokens", "device_hit_tokens", "tiers_enabled", "num_held",
                         "num_importing", "kv_handles", "kv_pulls", "kv_pull_failures", "kv_imports_declined",
-                        "kv_transfer_bytes",
-                        "kv_transfer_seconds"):
+                        "kv_transfer_bytes", "kv_transfer_seconds", "spec_draft_tokens", "spec_accepted_tokens"):
                 if key in conn.load:
                     snap[f'tokenmill_worker_{key}{{worker="{conn.worker_id}"}}'] = float(conn.load[key])
             snap.update(tier_gauges(conn.worker_id, conn.load))

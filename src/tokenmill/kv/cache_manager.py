@@ -166,6 +166,17 @@ class KVCacheManager:
         if seq is not None:
             self.pool.free(reversed(seq.blocks))
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's blocks past its first `num_tokens` positions (those it took for
+        speculative tokens that were rejected), tail first. Cached blocks are never past them."""
+        seq = self._seqs.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        if seq is None or len(seq.blocks) <= keep:
+            return
+        tail = seq.blocks[keep:]
+        del seq.blocks[keep:]
+        self.pool.free(reversed(tail))
+
     def block_ids(self, request_id: str) -> list[int]:
         seq = self._seqs.get(request_id)
         return [b.block_id for b in seq.blocks] if seq else []

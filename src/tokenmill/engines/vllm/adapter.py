@@ -66,6 +66,9 @@ class VLLMEngine:
     def from_args(cls, args: argparse.Namespace, worker_id: str) -> VLLMEngine:
         """ValueError naming the flag or vLLM option at fault (before any process starts)."""
         run_dir = Path(tempfile.mkdtemp(prefix=f"tokenmill-vllm-{worker_id}-"))
+        # vLLM's own ipc sockets (engine core, outputs) go to /tmp and stay there after it exits;
+        # in the run directory they leave with it (a user's own setting wins)
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", str(run_dir))
         try:
             endpoints = EventEndpoints.in_dir(run_dir)
             engine_args = engine_args_from(args, endpoints)

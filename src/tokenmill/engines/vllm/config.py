@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.engine.cpu_features import cpu_flags
 from tokenmill.engines.options import check_vllm_transfer_backends, parse_engine_args
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,4 @@ def _has_cuda() -> bool:
 
 
 def _has_amx() -> bool:
-    try:
-        return " amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return "amx_bf16" in cpu_flags()

@@ -103,6 +103,9 @@ class _SeqBook:
     def computed(self, seq: SimSeq) -> int:
         return seq.computed
 
+    def drafts(self, seq: SimSeq) -> int:
+        return 0  # speculation is priced in the step-time model (accepted tokens per step), not drafted
+
     def is_running(self, seq: SimSeq) -> bool:
         return seq.running
 

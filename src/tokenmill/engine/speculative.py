@@ -1,0 +1,89 @@
+"""Speculative decoding: draft a few tokens cheaply, verify them in one forward pass.
+
+    spec = SpeculativeConfig.parse("ngram", num_tokens=4)     # --speculative, --num-speculative-tokens
+    drafts = propose_ngram(request.token_ids, spec)           # up to 4 tokens, [] when no match
+    accepted = num_accepted(drafts, targets)                  # targets: one sampled token per row
+
+A decoding request with drafts d_1..d_k computes its last token and the drafts in one step
+(k + 1 rows). Row i's logits are the target model's distribution p_i for the token after
+d_1..d_i, and the target token t_i is sampled from p_i exactly as without speculation (same
+penalties, same per-position seed). Drafts are deterministic proposals (a point mass q_i on
+d_i), for which rejection sampling accepts d_i with probability min(1, p_i(d_i)/q_i(d_i)) =
+p_i(d_i) and, on rejection, draws from p_i with d_i removed. Accepting d_i exactly when
+t_i == d_i, and emitting t_i at the first mismatch, is that same rule:
+
+    P(accept d_i) = P(t_i = d_i) = p_i(d_i)        P(emit x | rejected) = p_i(x) / (1 - p_i(d_i)), x != d_i
+
+so every emitted token follows the target distribution, greedy output is identical with and
+without speculation, and a seeded request gives the same tokens either way (each position
+keeps its own seed stream). A step emits `accepted + 1` tokens: the accepted drafts and t_a.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_tokens: int = 4  # drafts proposed per request per step
+    min_ngram: int = 1  # prompt lookup: match the last n tokens, n from max_ngram down to min_ngram
+    max_ngram: int = 3
+
+    @classmethod
+    def parse(cls, method: str | None, num_tokens: int | None) -> SpeculativeConfig | None:
+        """From the flags; ValueError naming the flag for a bad value. None: no speculation."""
+        if method is None:
+            if num_tokens is not None:
+                raise ValueError("--num-speculative-tokens needs --speculative ngram")
+            return None
+        if method.startswith("draft:"):
+            raise ValueError("--speculative draft:DIR: draft models are not supported yet; use --speculative ngram")
+        if method not in METHODS:
+            raise ValueError(f"--speculative must be one of {', '.join(METHODS)}, got {method!r}")
+        k = 4 if num_tokens is None else num_tokens
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
+        return cls(method, k)
+
+
+def propose_ngram(token_ids: Sequence[int], spec: SpeculativeConfig, limit: int | None = None) -> list[int]:
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the
+    sequence's last n tokens (the longest n that occurs), at most `min(spec.num_tokens, limit)`."""
+    k = spec.num_tokens if limit is None else min(spec.num_tokens, limit)
+    if k <= 0 or len(token_ids) <= spec.min_ngram:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(spec.max_ngram, len(tokens) - 1), spec.min_ngram - 1, -1):
+        # windows starting at 0..len-n-1: every occurrence but the suffix itself
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+def next_draft_limit(limit: int, drafted: int, accepted: int, spec: SpeculativeConfig) -> int:
+    """How many drafts a request proposes next: one more than it just had accepted, at most the
+    configured number. A draft row costs a fraction of a step and saves a whole one only when
+    accepted, so a request that is copying drafts up to the limit and one that is not drafts
+    one token at a time, which is enough to notice when it starts copying again. A step without
+    drafts (no n-gram matched) leaves the limit as it was."""
+    if drafted == 0:
+        return limit
+    return min(spec.num_tokens, accepted + 1)
+
+
+def num_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """How many leading drafts the target tokens confirm (`targets` has one more row than drafts)."""
+    accepted = 0
+    while accepted < len(drafts) and targets[accepted] == drafts[accepted]:
+        accepted += 1
+    return accepted
