@@ -69,7 +69,7 @@ def test_transformers_fuses_our_experts_gate_then_up(checkpoints: dict[str, Path
     assert torch.equal(experts.down_proj[3], down)
 
 
-@pytest.mark.parametrize("name", [*TINY, "small-moe"])
+@pytest.mark.parametrize("name", [*TINY, "small-moe", "llama-1b"])
 def test_transformers_counts_the_same_parameters(name: str) -> None:
     config = presets.PRESETS[name].hf_config("float32")
     hf_config = AutoConfig.for_model(**config)

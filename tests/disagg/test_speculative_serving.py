@@ -3,15 +3,17 @@ decode worker drafts and verifies returns the text one engine generates without 
 the worker's acceptance counters reach /metrics."""
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.disagg.conftest import assert_idle, complete_all, metrics, reference, wait_for
+from tests.disagg.conftest import MAX_TOKENS, assert_idle, complete_all, metrics, reference, wait_for
 from tokenmill.bench.harness.serve_process import ServeProcess
 
 
@@ -40,7 +42,23 @@ def test_disaggregated_speculative_decoding_gives_the_plain_text(
     drafted = seen['tokenmill_worker_spec_draft_tokens{worker="decode-0"}']
     assert seen['tokenmill_worker_spec_accepted_tokens{worker="decode-0"}'] <= drafted
     assert seen.get('tokenmill_worker_spec_draft_tokens{worker="prefill-0"}', 0) == 0  # prefill drafts nothing
+    streamed_with_logprobs_match(server, prompts[0], expected[0])
     assert_idle(server)
+
+
+def streamed_with_logprobs_match(server: ServeProcess, prompt: list[int], expected: str) -> None:
+    """Several tokens in one step reach a streaming client as the same text, one logprob each."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, "logprobs": 1}
+    text, logprobs = "", []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60, trust_env=False) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                text += choice["text"]
+                logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+    assert text == expected
+    assert len(logprobs) == MAX_TOKENS and all(value <= 0.0 for value in logprobs)
 
 
 @pytest.mark.parametrize(("flags", "message"), [

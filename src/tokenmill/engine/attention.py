@@ -42,10 +42,10 @@ class AttentionBatch:
 
 def allocate_kv_cache(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype, device: str = "cpu",
 ) -> torch.Tensor:
     """One tensor for the whole cache: `[layers, 2, blocks, block_size, kv_heads, head_dim]`."""
-    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

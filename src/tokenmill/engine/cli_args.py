@@ -46,6 +46,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dp", type=int, default=1,
                    help="with --ep N: N attention data-parallel ranks, each scheduling its own requests on "
                         "its own KV pool while the experts stay split (the wide-EP layout)")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
+                   help="where the torch runner computes: cpu (the native kernels), cuda (PyTorch's ops on the "
+                        "GPU), auto (cuda when torch sees one)")
     g.add_argument("--speculative", default=None, metavar="ngram",
                    help="speculative decoding: 'ngram' drafts the tokens that followed the latest earlier "
                         "occurrence of the sequence's last 1-3 tokens (prompt lookup; no extra model), and "
@@ -82,7 +85,7 @@ def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0
         kv_host_gb=args.kv_host_gb, kv_disk_dir=args.kv_disk_dir, kv_disk_gb=args.kv_disk_gb,
         kv_shared=args.kv_shared, kv_shared_gb=args.kv_shared_gb, kv_write_through=args.kv_write_through,
         kv_pin_file=args.kv_pin_file,
-        speculative=SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens),
+        speculative=SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens), device=args.device,
     )
     if config.tp != 1 or config.ep != 1 or config.attention_dp != 1:
         from tokenmill.engine.parallel.shard import check_layout
@@ -125,7 +128,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size or DEFAULT_BLOCK_SIZE),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--runner", args.runner, "--seed", str(args.seed), "--tp", str(args.tp), "--ep", str(args.ep),
-            "--attention-dp", str(args.attention_dp)]
+            "--attention-dp", str(args.attention_dp), "--device", args.device]
     optional = {"--threads": args.threads, "--kv-cache-blocks": args.kv_cache_blocks,
                 "--kv-cache-gb": args.kv_cache_gb, "--max-model-len": args.max_model_len,
                 "--mock-step-time": args.mock_step_time, "--mock-profile": args.mock_profile,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenmill.engine.cpu_features import DtypeChoice, choose_auto_dtype, memory_bytes
+from tokenmill.engine.device import DEVICES, resolve_device
 from tokenmill.engine.mock_runner import StepTimeModel
 from tokenmill.engine.speculative import SpeculativeConfig
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
@@ -61,6 +62,7 @@ class EngineConfig:
     kv_write_through: bool = False
     kv_pin_file: str | None = None  # JSON lines: a prompt string or a list of token ids
     speculative: SpeculativeConfig | None = None  # draft tokens each decode step verifies (torch runner)
+    device: str = "cpu"  # the torch runner's: cpu or cuda (auto is resolved to one of them here)
 
     @property
     def rank_threads(self) -> int | None:
@@ -92,6 +94,20 @@ class EngineConfig:
             raise ValueError("mock_step_time must have a seconds(StepWork) method")
         self._validate_tiers()
         self._validate_speculative()
+        self._validate_device()
+
+    def _validate_device(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device == "cpu":
+            return
+        if self.runner != "torch":
+            raise ValueError(f"--device {self.device}: the mock runner computes nothing; use --device cpu")
+        if self.tp != 1 or self.ep != 1 or self.attention_dp != 1:
+            raise ValueError(f"--device {self.device}: --tp, --ep and --attention-dp run on the CPU only for now")
+        if self.kv_tiers_enabled:
+            raise ValueError(f"--device {self.device}: the KV tiers copy from a host-memory pool; not with a GPU yet")
+        self.device = resolve_device(self.device)  # imports torch: only for a device other than the CPU
 
     def _validate_speculative(self) -> None:
         if self.speculative is None:
@@ -126,7 +142,7 @@ class EngineConfig:
         if self.dtype != "auto":
             return DtypeChoice(self.dtype)
         name = model_cfg.checkpoint_dtype if model_cfg.checkpoint_dtype in DTYPES else "float32"
-        if self.runner != "torch" or name == "float32":
+        if self.runner != "torch" or name == "float32" or self.device != "cpu":
             return DtypeChoice(name)
         return choose_auto_dtype(name, _fp32_weight_bytes(self.model, DTYPES[name]), memory_bytes())
 

@@ -131,9 +131,12 @@ class LLMEngine:
             from tokenmill.engine.parallel.start import parallel_runner
 
             return parallel_runner(self.config, cfg, dtype, num_blocks, self.max_model_len, kv_allocator)
-        model = load_model(self.config.model, cfg, dtype, self.max_model_len)
+        if kv_allocator is not None and self.config.device != "cpu":
+            raise ValueError(f"--device {self.config.device}: KV transfer between workers reads a host-memory "
+                             "pool; disaggregated roles run on the CPU for now")
+        model = load_model(self.config.model, cfg, dtype, self.max_model_len, device=self.config.device)
         return TorchModelRunner(model, cfg, num_blocks, self.config.block_size, dtype, self.config.seed,
-                                kv_allocator)
+                                kv_allocator, self.config.device)
 
     # -- requests -------------------------------------------------------------------------
 

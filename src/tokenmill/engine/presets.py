@@ -105,6 +105,23 @@ def _small_llama() -> Preset:
     return Preset("small-llama", cfg, "float32", 2048, "Llama, head size 64 (runs on vLLM's CPU attention too)")
 
 
+def _llama_1b() -> Preset:
+    """A ~1 B-parameter Llama (Llama 3.2 1B's layer shape, 16 layers, a small vocabulary): the
+    GPU check's model, big enough that a decode step reads its weights rather than waits on Python."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": False,
+        **_common(8192, 4096, 500000.0),
+    }
+    return Preset("llama-1b", cfg, "bfloat16", 8192, "Llama, ~1 B params (scripts/gpu-check)")
+
+
 def _qwen3_moe(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
                experts: int, moe_inter: int, vocab: int, max_pos: int, theta: float) -> dict[str, Any]:
     return {
@@ -144,7 +161,7 @@ def _small_moe() -> Preset:
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (_tiny_dense(), _tiny_llama(), _small_llama(), _tiny_moe(),
-                                                   _small_moe())}
+                                                   _small_moe(), _llama_1b())}
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
 

@@ -25,28 +25,44 @@ from tokenmill.textgen.sampling import SampleRow
 
 class TorchModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, seed: int = 0, kv_allocator: KVAllocator | None = None) -> None:
+                 dtype: torch.dtype, seed: int = 0, kv_allocator: KVAllocator | None = None,
+                 device: str = "cpu") -> None:
+        """On a `device` other than the CPU the model and the KV pool live there and the forward
+        pass takes PyTorch's own ops (the native kernels are CPU code); steps are prepared and
+        sampled on the host."""
         self.model = model
         self.block_size = block_size
+        self.device = torch.device(device)
         if kv_allocator is None:
             self.kv_cache = allocate_kv_cache(cfg.num_layers, num_blocks, block_size,
-                                              cfg.num_kv_heads, cfg.head_dim, dtype)
+                                              cfg.num_kv_heads, cfg.head_dim, dtype, device)
         else:
             shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
             self.kv_cache = kv_allocator(shape, dtype)
         self.generator = torch.Generator().manual_seed(seed)
         self.vocab_size = cfg.vocab_size
         self.mask_computer: MaskComputer | None = None  # structured outputs' masks, beside the forward pass
-        self.native_decode = dtype in (torch.float32, torch.bfloat16) and cfg.head_dim <= kernels.MAX_HEAD_DIM \
-            and kernels.available()
-        self.native_prefill = prefill_attention.supported(dtype, cfg.head_dim)
+        on_cpu = self.device.type == "cpu"
+        self.native_decode = on_cpu and dtype in (torch.float32, torch.bfloat16) \
+            and cfg.head_dim <= kernels.MAX_HEAD_DIM and kernels.available()
+        self.native_prefill = on_cpu and prefill_attention.supported(dtype, cfg.head_dim)
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
         input_ids, positions, batch, logits_rows = self._prepare(out, kv)
         sampling = [s for s in out.seqs if s.samples]
         masks = self._start_masks(sampling)
-        logits = self.forward(input_ids, positions, batch, logits_rows)
-        return self._sample(sampling, logits, masks)
+        logits = self.forward(*self._to_device(input_ids, positions, batch, logits_rows))
+        return self._sample(sampling, logits.cpu(), masks)
+
+    def _to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                   logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
+        """The step's host-built tensors where the model is (as they are on the CPU)."""
+        if self.device.type == "cpu":
+            return input_ids, positions, batch, logits_rows
+        device = self.device
+        spans = [SeqSpan(s.query_start, s.query_len, s.context_len, s.block_ids.to(device)) for s in batch.spans]
+        moved = AttentionBatch(batch.slot_mapping.to(device), spans, None, False)
+        return input_ids.to(device), positions.to(device), moved, logits_rows.to(device)
 
     def _start_masks(self, sampling: list[ScheduledSeq]) -> tuple[list[int], Future[np.ndarray]] | None:
         """Structured outputs' token masks, computed beside the forward pass."""

@@ -71,8 +71,9 @@ def iter_tensors(files: list[Path], index: Callable[[str], Index] | None = None,
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
-               shard: Shard | None = None) -> CausalLM:
-    """The whole model, or with `shard` one rank's part of it (reading only that part)."""
+               shard: Shard | None = None, device: str = "cpu") -> CausalLM:
+    """The whole model, or with `shard` one rank's part of it (reading only that part), read into
+    host memory and then moved to `device` (packed for the native kernels on the CPU only)."""
     local = cfg if shard is None else shard.local_config(cfg)
     with torch.device("meta"):
         model = CausalLM(local, max_positions, None if shard is None else shard.experts)
@@ -105,8 +106,10 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
     missing = sorted(expected - seen)
     if missing:
         raise CheckpointError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    prepack_weights(model)
-    return model.eval()
+    if device == "cpu":
+        prepack_weights(model)
+        return model.eval()
+    return model.to(device).eval()
 
 
 def _finish_tied(model: CausalLM, cfg: ModelConfig, seen: set[str], expected: set[str]) -> None:

