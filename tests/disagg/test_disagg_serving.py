@@ -39,6 +39,32 @@ def worker_metric(server: ServeProcess, name: str, worker: str) -> float:
     return metrics(server).get(f'tokenmill_worker_{name}{{worker="{worker}"}}', 0.0)
 
 
+SPECULATIVE = ("--speculative", "ngram", "--num-speculative-tokens", "3")
+
+
+def speculation_counted(server: ServeProcess) -> None:
+    """The decode worker's drafts reach /metrics; the prefill worker (one token each) drafts none."""
+    wait_for(lambda: worker_metric(server, "spec_accepted_tokens", "decode-0") > 0, 10, "accepted drafts in /metrics")
+    assert worker_metric(server, "spec_accepted_tokens", "decode-0") <= worker_metric(server, "spec_draft_tokens",
+                                                                                       "decode-0")
+    assert worker_metric(server, "spec_draft_tokens", "prefill-0") == 0
+
+
+def streamed_with_logprobs_match(server: ServeProcess, prompt: list[int], expected: str) -> None:
+    """Several tokens in one step reach a streaming client as the same text, one logprob each."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, "logprobs": 1}
+    text, logprobs = "", []
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60, trust_env=False) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                text += choice["text"]
+                logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+    assert text == expected
+    assert len(logprobs) == MAX_TOKENS and all(value <= 0.0 for value in logprobs)
+
+
 def structured_output_holds(server: ServeProcess) -> None:
     schema = {"type": "object", "required": ["n"], "additionalProperties": False,
               "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}}}
@@ -53,7 +79,8 @@ def test_outputs_identical_across_aggregated_disaggregated_and_conditional(
     prompts = mixed_prompts(100, seed=1)
     expected = reference(tiny_dense, prompts)
     results = {}
-    for name, flags in (("agg", ("--workers", "1")), ("disagg", ("--disagg-threshold", "0")),
+    # the disaggregated decode worker also drafts: its text must not change
+    for name, flags in (("agg", ("--workers", "1")), ("disagg", ("--disagg-threshold", "0", *SPECULATIVE)),
                         ("conditional", ("--disagg-threshold", "100"))):
         server = server_factory(*flags)
         results[name] = complete_all(server, prompts)
@@ -66,6 +93,8 @@ def test_outputs_identical_across_aggregated_disaggregated_and_conditional(
             wait_for(lambda s=server: worker_metric(s, "kv_pulls", "decode-0") == len(prompts), 10, "pull counts")
             assert worker_metric(server, "kv_pull_failures", "decode-0") == 0
             assert worker_metric(server, "kv_transfer_bytes", "decode-0") > 0
+            speculation_counted(server)
+            streamed_with_logprobs_match(server, prompts[0], expected[0])
         else:
             decisions = sum(v for k, v in seen.items() if k.startswith("tokenmill_disagg_decisions_total"))
             assert seen[REMOTE] > 10 and seen[SHORT] > 10 and decisions == len(prompts)

@@ -8,10 +8,11 @@
   has no entry for `tokenizer.ggml.pre = "smollm"` and falls back to GPT-2 splitting, which
   differs from llama.cpp where whitespace or a non-ASCII number precedes a digit (`"a  1"`);
 - the engine: logits and greedy text against transformers' LlamaForCausalLM on the converted
-  directory, and the chat answer the real model gives.
+  directory, the chat answer the real model gives, and speculative decoding's text.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from tests.engine.helpers import GREEDY, make_engine, prompt_logits
 from tokenmill.cli import main
 from tokenmill.engine.gguf_convert import convert_gguf, package_gguf, read_metadata, unpermute_rope_rows
+from tokenmill.engine.speculative import SpeculativeConfig, num_accepted
 from tokenmill.textgen.gguf_tokenizer import build_tokenizer
 from tokenmill.textgen.sampling import SamplingParams
 from tokenmill.textgen.tokenizer import Tokenizer
@@ -156,6 +158,23 @@ def test_chat_answer_names_paris(engine) -> None:
     out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
     assert engine.tokenizer.decode(out).startswith("The capital of France is Paris.")
     assert out[-1] == 2  # and stops on <|im_end|>
+
+
+def test_speculative_decoding_copies_code_in_fewer_steps_with_the_same_text(engine, smollm2_dir: Path) -> None:
+    """SmolLM2 asked to return a function it was given: n-gram drafts of the prompt are accepted,
+    and the text is the one decoding without them gives (the module's engine)."""
+    spec = make_engine(smollm2_dir, speculative=SpeculativeConfig("ngram", 4), num_kv_blocks=64)
+    source = inspect.getsource(num_accepted)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Add a comment to this function "
+                                                    f"and return the whole function.\n```python\n{source}```"}])
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    steps = engine.stats().num_steps
+    expected = engine.generate([prompt], params)[0]
+    plain_steps = engine.stats().num_steps - steps
+    assert spec.generate([prompt], params)[0] == expected
+    assert spec.stats().spec_accepted_tokens >= len(expected) // 3  # most of the answer copies the prompt
+    assert spec.stats().num_steps < plain_steps
+    assert spec.pool.num_free_blocks == spec.pool.num_blocks
 
 
 def test_package_lookup_and_cli_errors(smollm2_gguf: Path, tmp_path: Path) -> None:

@@ -4,8 +4,9 @@ distribution at temperature 1 is the target's, and the blocks of rejected drafts
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,15 @@ def test_bad_flags_name_themselves(method: str | None, k: int | None, message: s
         SpeculativeConfig.parse(method, k)
 
 
+def test_serve_exits_2_naming_the_flag(tiny_dense: Path) -> None:
+    for flags, message in ((["--speculative", "medusa"], "--speculative must be one of ngram"),
+                           (["--speculative", "ngram", "--runner", "mock"], "--speculative needs --runner torch")):
+        done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(tiny_dense),
+                               "--port", "0", *flags], capture_output=True, text=True, timeout=60)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr
+
+
 def test_the_mock_and_parallel_runners_refuse_it(tiny_dense: Path) -> None:
     with pytest.raises(ValueError, match="--speculative needs --runner torch"):
         EngineConfig(model=str(tiny_dense), runner="mock", speculative=NGRAM)
@@ -95,19 +105,6 @@ def test_greedy_output_is_identical_and_fewer_steps_run(preset: str, request: py
     assert spec.generate(batch, GREEDY) == plain.generate(batch, GREEDY)
     drafted, accepted = _drafted(spec)
     assert 0 < accepted < drafted
-    assert spec.stats().num_steps < plain.stats().num_steps
-    _assert_idle(spec)
-
-
-def test_smollm2_copies_code_in_fewer_steps_with_the_same_text(smollm2_dir: Path) -> None:
-    plain, spec = (make_engine(smollm2_dir, speculative=s, num_kv_blocks=64) for s in (None, NGRAM))
-    source = inspect.getsource(num_accepted)
-    prompt = plain.tokenizer.apply_chat_template([{"role": "user", "content": "Add a comment to this function "
-                                                   f"and return the whole function.\n```python\n{source}```"}])
-    params = SamplingParams(max_tokens=32, temperature=0.0)
-    expected = plain.generate([prompt], params)[0]
-    assert spec.generate([prompt], params)[0] == expected
-    assert _drafted(spec)[1] >= len(expected) // 3  # most of the answer copies the prompt
     assert spec.stats().num_steps < plain.stats().num_steps
     _assert_idle(spec)
 
