@@ -5,18 +5,19 @@
     accepted = num_accepted(drafts, targets)                  # targets: one sampled token per row
 
 A decoding request with drafts d_1..d_k computes its last token and the drafts in one step
-(k + 1 rows). Row i's logits are the target model's distribution p_i for the token after
-d_1..d_i, and the target token t_i is sampled from p_i exactly as without speculation (same
-penalties, same per-position seed). Drafts are deterministic proposals (a point mass q_i on
-d_i), for which rejection sampling accepts d_i with probability min(1, p_i(d_i)/q_i(d_i)) =
-p_i(d_i) and, on rejection, draws from p_i with d_i removed. Accepting d_i exactly when
+(k + 1 rows). The row before draft position i gives p_i, the target model's distribution for
+that position given all before it (d_1..d_{i-1} included), and the target's token t_i is sampled
+from p_i exactly as without speculation (same penalties, same per-position seed); the last row
+gives t_{k+1}. Drafts are deterministic proposals (a point mass q_i on d_i), for which
+rejection sampling accepts d_i with probability min(1, p_i(d_i)/q_i(d_i)) = p_i(d_i) and, on
+rejection, draws from p_i with d_i removed. Accepting d_i exactly when
 t_i == d_i, and emitting t_i at the first mismatch, is that same rule:
 
     P(accept d_i) = P(t_i = d_i) = p_i(d_i)        P(emit x | rejected) = p_i(x) / (1 - p_i(d_i)), x != d_i
 
 so every emitted token follows the target distribution, greedy output is identical with and
 without speculation, and a seeded request gives the same tokens either way (each position
-keeps its own seed stream). A step emits `accepted + 1` tokens: the accepted drafts and t_a.
+keeps its own seed stream). A step with a accepted drafts emits a + 1 tokens: d_1..d_a and t_{a+1}.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    num_tokens: int = 4  # drafts proposed per request per step
+    num_tokens: int = 4  # the most drafts a request proposes for a step (next_draft_limit)
     min_ngram: int = 1  # prompt lookup: match the last n tokens, n from max_ngram down to min_ngram
     max_ngram: int = 3
 
