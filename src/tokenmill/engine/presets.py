@@ -73,53 +73,42 @@ def _tiny_dense() -> Preset:
     return Preset("tiny-dense", cfg, "float32", 2048, "Qwen3 dense, tied embeddings")
 
 
-def _tiny_llama() -> Preset:
-    cfg = {
+def _llama(shape: dict[str, int], vocab: int, max_positions: int, rope_theta: float,
+           attention_bias: bool = False) -> dict[str, Any]:
+    """An untied Llama of `shape` (HF Llama's attention_bias puts a bias on q, k, v *and* o_proj)."""
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        **_TINY_SHAPE,
-        # HF Llama's attention_bias puts a bias on q, k, v *and* o_proj.
-        "attention_bias": True,
+        **shape,
+        "attention_bias": attention_bias,
         "mlp_bias": False,
         "pretraining_tp": 1,
         "tie_word_embeddings": False,
-        **_common(2048, 2048, 10000.0),
+        **_common(vocab, max_positions, rope_theta),
     }
+
+
+def _tiny_llama() -> Preset:
+    cfg = _llama(_TINY_SHAPE, 2048, 2048, 10000.0, attention_bias=True)
     return Preset("tiny-llama", cfg, "float32", 2048, "Llama with attention biases, untied")
 
 
 def _small_llama() -> Preset:
     """Llama whose head size (64) and block-size needs fit vLLM's CPU attention (it has no kernel for
     the tiny presets' 16): the model of the tests that run tokenmill over vLLM workers."""
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 64,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
-        "tie_word_embeddings": False,
-        **_common(2048, 4096, 10000.0),
-    }
-    return Preset("small-llama", cfg, "float32", 2048, "Llama, head size 64 (runs on vLLM's CPU attention too)")
+    shape = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "head_dim": 64}
+    return Preset("small-llama", _llama(shape, 2048, 4096, 10000.0), "float32", 2048,
+                  "Llama, head size 64 (runs on vLLM's CPU attention too)")
 
 
 def _llama_1b() -> Preset:
     """A ~1 B-parameter Llama (Llama 3.2 1B's layer shape, 16 layers, a small vocabulary): the
     GPU check's model, big enough that a decode step reads its weights rather than waits on Python."""
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 64,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
-        "tie_word_embeddings": False,
-        **_common(8192, 4096, 500000.0),
-    }
-    return Preset("llama-1b", cfg, "bfloat16", 8192, "Llama, ~1 B params (scripts/gpu-check)")
+    shape = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 64}
+    return Preset("llama-1b", _llama(shape, 8192, 4096, 500000.0), "bfloat16", 8192,
+                  "Llama, ~1 B params (scripts/gpu-check)")
 
 
 def _qwen3_moe(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
