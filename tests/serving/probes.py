@@ -47,17 +47,19 @@ def busy_worker_pid(server: Server, timeout_s: float = 5.0) -> int:
     raise AssertionError("no worker reported the request in flight")
 
 
-def stream_with_a_kill(base: str, prompt: list[int], max_tokens: int, kill: Callable[[], T]) -> tuple[str, T]:
-    """A greedy completion streamed in full, calling `kill` after its 40th chunk: (text, what kill returned)."""
+def stream_with_a_kill(base: str, prompt: list[int], max_tokens: int, kill: Callable[[], T],
+                       after_chunks: int = 40) -> tuple[str, T]:
+    """A greedy completion streamed in full, calling `kill` after its `after_chunks`-th chunk:
+    (text, what kill returned)."""
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
     text: list[str] = []
     killed: T | None = None
     for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True}):
         text.append(chunk.choices[0].text if chunk.choices else "")
-        if killed is None and len(text) == 40:
+        if killed is None and len(text) == after_chunks:
             killed = kill()
-    assert killed is not None, "the stream ended before its 40th chunk"
+    assert killed is not None, f"the stream ended before its chunk {after_chunks}"
     return "".join(text), killed
 
 
