@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from tokenmill.backend import Overloaded, tier_gauges
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.kv_tiers_wiring import tier_load
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engine.stats import EngineStats
 from tokenmill.textgen.outputs import FINISH_ABORT, RequestOutput
 from tokenmill.textgen.sampling import SamplingParams
 from tokenmill.textgen.tokenizer import Tokenizer

@@ -7,7 +7,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.conftest import LiveServer
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engine.stats import EngineStats
 
 _POLL_S = 0.05
 _POLL_LIMIT_S = 20.0

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.guided import Grammars, advance
@@ -19,7 +17,8 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request
 from tokenmill.engine.runner_protocol import KVAllocator, ModelRunner, Sampled
 from tokenmill.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
-from tokenmill.engine.speculative import next_draft_limit, num_accepted, propose_ngram
+from tokenmill.engine.speculative import Drafter
+from tokenmill.engine.stats import EngineStats
 from tokenmill.kv.block_pool import BlockPool
 from tokenmill.kv.cache_manager import KVCacheManager
 from tokenmill.kv.events import KVEventEmitter
@@ -31,34 +30,6 @@ from tokenmill.textgen.sampling import SamplingParams, TokenLogprob
 from tokenmill.textgen.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_free_blocks: int
-    num_blocks: int
-    prefix_hit_rate: float
-    num_steps: int
-    prefill_tokens: int
-    decode_tokens: int
-    prefill_step_seconds: float  # steps that computed any prefill tokens
-    decode_step_seconds: float  # steps that only decoded
-    num_decode_only_steps: int
-    num_preemptions: int
-    prefill_blocks: int  # uncached blocks of requests still before their first token (waiting included)
-    decode_blocks: int  # blocks generating requests hold beyond their prefix hits
-    onboarded_tokens: int = 0  # prompt tokens loaded from KV tiers instead of computed
-    queried_tokens: int = 0  # prompt tokens looked up in the prefix cache at admission
-    device_hit_tokens: int = 0  # ... and found on the device
-    num_held: int = 0  # prefill-only requests holding KV for a decode worker
-    num_importing: int = 0  # requests waiting for their prompt KV to arrive
-    spec_draft_tokens: int = 0  # speculative tokens verified by the target model
-    spec_accepted_tokens: int = 0  # ... and confirmed by it (emitted without a step of their own)
-    tier_stats: dict[str, Any] = field(default_factory=dict)  # TieredKVManager.stats(); {} without tiers
-    request_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (prefill, decode) blocks
 
 
 class LLMEngine:
@@ -84,7 +55,8 @@ class LLMEngine:
         self.handoff = KVHandoff(self.scheduler, self.kv)
         self.tiers = self._attach_tiers() if config.kv_tiers_enabled else None
         self.requests: dict[str, Request] = {}
-        self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0, drafted=0, accepted=0)
+        self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0)
+        self.drafter = Drafter(config.speculative, self.max_model_len)
         self._seconds = dict(prefill=0.0, decode=0.0)
 
     def _rank_schedulers(self, num_blocks: int) -> tuple[list[BlockPool], list[KVCacheManager], list[Scheduler]]:
@@ -329,8 +301,7 @@ class LLMEngine:
         each checked for a stop as if it had been decoded alone; record the step; finish the
         request or draft its next tokens."""
         request = seq.request
-        accepted = num_accepted(request.draft_token_ids[:seq.num_drafts], [token for token, _ in rows])
-        self._record_drafts(request, seq.num_drafts, accepted)
+        accepted = self.drafter.verify(request, seq.num_drafts, rows)
         tokens: list[int] = []
         logprobs: list[TokenLogprob] = []
         text, stop = "", None
@@ -354,19 +325,12 @@ class LLMEngine:
             self.output.remove(request.request_id)
             del self.requests[request.request_id]
         else:
-            request.draft_token_ids = self._propose(request)
+            request.draft_token_ids = self.drafter.propose(request)
         return RequestOutput(
             request.request_id, tokens, text, request.is_finished, request.finish_reason,
             request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
             logprobs, request.stop_reason, pending,
         )
-
-    def _record_drafts(self, request: Request, drafted: int, accepted: int) -> None:
-        self._counters["drafted"] += drafted
-        self._counters["accepted"] += accepted
-        if self.config.speculative is not None:
-            limit = request.draft_limit or self.config.speculative.num_tokens
-            request.draft_limit = next_draft_limit(limit, drafted, accepted, self.config.speculative)
 
     def _check_stop(self, request: Request, token: int) -> tuple[tuple[str, int | None] | None, str]:
         """(stop or None, the token's new text) after appending `token`."""
@@ -378,18 +342,6 @@ class LLMEngine:
             stop = (FINISH_STOP, None)
             request.stop_reason = matched
         return stop, text
-
-    def _propose(self, request: Request) -> list[int]:
-        """Drafts for the request's next step: none without speculation, for a structured output
-        (its grammar would have to vet them) or a prefill-only request; never past max_tokens or
-        the context length."""
-        spec = self.config.speculative
-        if spec is None or request.matcher is not None or request.prefill_only:
-            return []
-        # a step emits up to drafts + 1 tokens, and computes positions up to num_tokens - 1 + drafts
-        room = min(request.params.max_tokens - len(request.output_token_ids) - 1,
-                   self.max_model_len - request.num_tokens - 1, request.draft_limit or spec.num_tokens)
-        return propose_ngram(request.token_ids, spec, room)
 
     def _hand_off(self, request: Request, token: int, text: str, logprob: TokenLogprob | None,
                   pending: int) -> RequestOutput:
@@ -448,6 +400,6 @@ class LLMEngine:
             prefill_blocks=prefill_blocks, decode_blocks=decode_blocks, request_blocks=request_blocks,
             onboarded_tokens=self.kv.stats.onboarded_tokens, queried_tokens=queried, device_hit_tokens=hits,
             num_held=len(self.handoff.held), num_importing=len(self.handoff.importing),
-            spec_draft_tokens=c["drafted"], spec_accepted_tokens=c["accepted"],
+            spec_draft_tokens=self.drafter.drafted, spec_accepted_tokens=self.drafter.accepted,
             tier_stats=self.tiers.stats() if self.tiers is not None else {},
         )

@@ -40,7 +40,7 @@ class Request:
     # speculative tokens after `token_ids`, proposed for the next step and not verified yet: they
     # never enter `token_ids`, the prefix cache or the outputs until the target model confirms them
     draft_token_ids: list[int] = field(default_factory=list)
-    draft_limit: int | None = None  # drafts to propose next (speculative.next_draft_limit); None: the most
+    draft_limit: int | None = None  # drafts to propose next (speculative.Drafter); None: the configured K
 
     def __post_init__(self) -> None:
         if not self.token_ids:

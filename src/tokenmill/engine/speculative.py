@@ -1,8 +1,9 @@
 """Speculative decoding: draft a few tokens cheaply, verify them in one forward pass.
 
     spec = SpeculativeConfig.parse("ngram", num_tokens=4)     # --speculative, --num-speculative-tokens
-    drafts = propose_ngram(request.token_ids, spec)           # up to 4 tokens, [] when no match
-    accepted = num_accepted(drafts, targets)                  # targets: one sampled token per row
+    drafter = Drafter(spec, max_model_len)                    # the engine's (spec None: drafts nothing)
+    accepted = drafter.verify(request, num_drafts, rows)      # rows: (token, logprob) per sampled row
+    request.draft_token_ids = drafter.propose(request)        # for its next step, [] when no match
 
 A decoding request with drafts d_1..d_k computes its last token and the drafts in one step
 (k + 1 rows). The row before draft position i gives p_i, the target model's distribution for
@@ -23,8 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tokenmill.engine.request import Request
 
 METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
@@ -71,14 +76,12 @@ def propose_ngram(token_ids: Sequence[int], spec: SpeculativeConfig, limit: int 
     return []
 
 
-def next_draft_limit(limit: int, drafted: int, accepted: int, spec: SpeculativeConfig) -> int:
-    """How many drafts a request proposes next: one more than it just had accepted, at most the
-    configured number. A draft row costs a fraction of a step and saves a whole one only when
-    accepted, so a request that is copying drafts up to the limit and one that is not drafts
-    one token at a time, which is enough to notice when it starts copying again. A step without
-    drafts (no n-gram matched) leaves the limit as it was."""
-    if drafted == 0:
-        return limit
+def next_draft_limit(accepted: int, spec: SpeculativeConfig) -> int:
+    """How many drafts a request proposes after a step that accepted `accepted` of its drafts: one
+    more, at most the configured number. A draft row costs a fraction of a step and saves a whole
+    one only when accepted, so a request that is copying drafts up to the limit and one that is
+    not drafts one token at a time, which is enough to notice when it starts copying again. (A
+    step without drafts, where no n-gram matched, leaves the limit as it was.)"""
     return min(spec.num_tokens, accepted + 1)
 
 
@@ -88,3 +91,39 @@ def num_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
     while accepted < len(drafts) and targets[accepted] == drafts[accepted]:
         accepted += 1
     return accepted
+
+
+class Drafter:
+    """The engine's drafting: what each request proposes for its next step, and how many drafted
+    tokens the target has verified and accepted so far (the worker's metrics)."""
+
+    def __init__(self, spec: SpeculativeConfig | None, max_model_len: int) -> None:
+        self.spec = spec
+        self.max_model_len = max_model_len
+        self.drafted = 0
+        self.accepted = 0
+
+    def verify(self, request: Request, num_drafts: int, rows: Sequence[tuple[int, object]]) -> int:
+        """How many of the request's first `num_drafts` drafts the step's sampled rows ((token,
+        logprob) each) confirm; counted, and the request's next draft limit set from it."""
+        if not num_drafts:
+            return 0
+        accepted = num_accepted(request.draft_token_ids[:num_drafts], [token for token, _ in rows])
+        self.drafted += num_drafts
+        self.accepted += accepted
+        if self.spec is not None:
+            request.draft_limit = next_draft_limit(accepted, self.spec)
+        return accepted
+
+    def propose(self, request: Request) -> list[int]:
+        """Drafts for the request's next step: none without speculation, for a structured output
+        (its grammar would have to vet them) or a prefill-only request; never past max_tokens or
+        the context length."""
+        spec = self.spec
+        if spec is None or request.matcher is not None or request.prefill_only:
+            return []
+        limit = spec.num_tokens if request.draft_limit is None else request.draft_limit
+        # a step emits up to drafts + 1 tokens, and computes positions up to num_tokens - 1 + drafts
+        room = min(request.params.max_tokens - len(request.output_token_ids) - 1,
+                   self.max_model_len - request.num_tokens - 1, limit)
+        return propose_ngram(request.token_ids, spec, room)

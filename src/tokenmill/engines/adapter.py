@@ -36,7 +36,7 @@ from tokenmill.textgen.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.async_engine import KVImport
-    from tokenmill.engine.llm_engine import EngineStats
+    from tokenmill.engine.stats import EngineStats
 
 
 class EngineStartError(RuntimeError):

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engine.stats import EngineStats
 from tokenmill.engines.adapter import EngineAdapter
 from tokenmill.runtime import protocol as p
 from tokenmill.runtime.discovery import Discovery, WorkerInfo

@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from tokenmill.engine.llm_engine import EngineStats
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request
+from tokenmill.engine.stats import EngineStats
 from tokenmill.engines import VLLM
 from tokenmill.engines.adapter import EngineInfo, EngineStartError
 from tokenmill.engines.vllm.config import EventEndpoints, engine_args_from

@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from tokenmill.engine.llm_engine import EngineStats
+from tokenmill.engine.stats import EngineStats
 
 
 @dataclass(slots=True)
