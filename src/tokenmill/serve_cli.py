@@ -31,6 +31,7 @@ from tokenmill.engines.options import check_vllm_transfer_backends
 from tokenmill.fleet.control_socket import CONTROL_SOCKET_ENV
 from tokenmill.router.policies import RouterConfig
 from tokenmill.runtime import event_loop
+from tokenmill.runtime.scratch import remove_scratch_of
 from tokenmill.runtime.unix_sockets import socket_dir
 from tokenmill.transfer.memory import remove_shared_files_of
 
@@ -150,7 +151,7 @@ async def _serve(args: argparse.Namespace, run_dir: Path, sockets: Path, engine_
             control_socket.close()
         supervisor.stop()
         for name in list(supervisor.children):
-            remove_shared_files_of(supervisor.pid(name))  # of workers that had to be killed
+            _remove_files_of(supervisor.pid(name))  # of workers that had to be killed
     return 0
 
 
@@ -258,6 +259,13 @@ def _worker_died(backend, discovery, name: str, pid: int) -> None:
         return  # not a worker: the supervisor restarts it, the kernel routes around it meanwhile
     discovery.unregister(name)
     backend.pool.drop(name, "process exited")
-    remove_shared_files_of(pid)  # its KV pool, if it was killed before it could unlink it
+    _remove_files_of(pid)
+
+
+def _remove_files_of(pid: int) -> None:
+    """What a worker killed before it could clean up leaves: its KV pool's shared memory and its
+    scratch directory (an outside engine's sockets)."""
+    remove_shared_files_of(pid)
+    remove_scratch_of(pid)
 
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -233,18 +234,24 @@ def test_a_killed_vllm_worker_stream_finishes_on_the_other_worker(vllm_deploymen
     ids, out = reference["kill"]
     server = vllm_deployment.server
 
-    def kill() -> tuple[int, list[int]]:
+    def kill() -> tuple[int, list[int], list[Path]]:
         pid = busy_worker_pid(server)
-        engine_core = _children(pid)
+        engine_core, scratch = _children(pid), _scratch_of(pid)
         os.kill(pid, signal.SIGKILL)
-        return pid, engine_core
+        return pid, engine_core, scratch
 
     migrations = metric(server.url, "tokenmill_request_migrations_total")
-    text, (killed, engine_core) = stream_with_a_kill(server.url, ids, KILL_TOKENS, kill, KILL_AFTER_CHUNKS)
+    text, (killed, engine_core, scratch) = stream_with_a_kill(server.url, ids, KILL_TOKENS, kill, KILL_AFTER_CHUNKS)
     assert text == text_of(tokenizer, ids, out)
     assert metric(server.url, "tokenmill_request_migrations_total") == migrations + 1
     assert engine_core, "the killed worker ran no vLLM engine core process"
     wait(lambda: not any(process_alive(pid) for pid in engine_core), "the dead worker's vLLM processes to exit", 30)
+    assert scratch, "the killed worker had no scratch directory (vLLM's sockets)"
+    wait(lambda: not _scratch_of(killed), "serve to remove the killed worker's scratch directory", 30)
+
+
+def _scratch_of(pid: int) -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob(f"tokenmill-{pid}-*"))
 
 
 def _children(pid: int) -> list[int]:

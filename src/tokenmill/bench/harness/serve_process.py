@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from tokenmill.procs import process_alive
+from tokenmill.runtime.scratch import remove_scratch_of
 from tokenmill.runtime.supervisor import kill_leftovers
 from tokenmill.transfer.memory import remove_shared_files_of
 
@@ -120,6 +121,7 @@ def stop(server: ServeProcess) -> None:
             pass  # already gone
         kill_leftovers(pid)  # an outside engine's processes in the worker's group (vLLM's engine core)
         remove_shared_files_of(pid)  # what a killed worker could not unlink (its KV pool)
+        remove_scratch_of(pid)  # nor remove (an outside engine's sockets)
 
 
 def start_serve(serve_flags: Sequence[str], num_workers: int, run_dir: Path, log_path: Path,

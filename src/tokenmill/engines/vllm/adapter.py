@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from tokenmill.engines.vllm.handoff import RemotePrefill
 from tokenmill.engines.vllm.requests import finish_reason, token_logprobs, vllm_params, vllm_prompt
 from tokenmill.engines.vllm.stats import LoadBook, RequestBlocks, logger_for
 from tokenmill.kv.events import KVEventEmitter
+from tokenmill.runtime.scratch import scratch_dir
 from tokenmill.textgen.outputs import FINISH_HANDOFF, FINISH_STOP, RequestOutput
 from tokenmill.textgen.sampling import SamplingParams
 from tokenmill.textgen.tokenizer import Tokenizer
@@ -65,7 +65,7 @@ class VLLMEngine:
     @classmethod
     def from_args(cls, args: argparse.Namespace, worker_id: str) -> VLLMEngine:
         """ValueError naming the flag or vLLM option at fault (before any process starts)."""
-        run_dir = Path(tempfile.mkdtemp(prefix=f"tokenmill-vllm-{worker_id}-"))
+        run_dir = scratch_dir(f"vllm-{worker_id}")  # a SIGKILLed worker's supervisor removes it by pid
         # vLLM's own ipc sockets (engine core, outputs) go to /tmp and stay there after it exits;
         # in the run directory they leave with it (a user's own setting wins)
         os.environ.setdefault("VLLM_RPC_BASE_PATH", str(run_dir))
