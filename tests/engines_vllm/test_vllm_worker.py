@@ -234,20 +234,30 @@ def test_a_killed_vllm_worker_stream_finishes_on_the_other_worker(vllm_deploymen
     ids, out = reference["kill"]
     server = vllm_deployment.server
 
-    def kill() -> tuple[int, list[int], list[Path]]:
+    def kill() -> tuple[int, list[int], list[Path], list[str]]:
         pid = busy_worker_pid(server)
         engine_core, scratch = _children(pid), _scratch_of(pid)
+        environs = [_environ(p) for p in (pid, *engine_core)]
         os.kill(pid, signal.SIGKILL)
-        return pid, engine_core, scratch
+        return pid, engine_core, scratch, environs
 
     migrations = metric(server.url, "tokenmill_request_migrations_total")
-    text, (killed, engine_core, scratch) = stream_with_a_kill(server.url, ids, KILL_TOKENS, kill, KILL_AFTER_CHUNKS)
+    text, (killed, engine_core, scratch, environs) = stream_with_a_kill(server.url, ids, KILL_TOKENS, kill,
+                                                                        KILL_AFTER_CHUNKS)
     assert text == text_of(tokenizer, ids, out)
     assert metric(server.url, "tokenmill_request_migrations_total") == migrations + 1
     assert engine_core, "the killed worker ran no vLLM engine core process"
+    # vLLM's processes run on vLLM's OpenMP defaults, not the own engine's tuning that serve set
+    worker_env, *core_envs = environs
+    assert "GOMP_SPINCOUNT=" in worker_env and not any("GOMP_SPINCOUNT=" in env for env in core_envs)
     wait(lambda: not any(process_alive(pid) for pid in engine_core), "the dead worker's vLLM processes to exit", 30)
     assert scratch, "the killed worker had no scratch directory (vLLM's sockets)"
     wait(lambda: not _scratch_of(killed), "serve to remove the killed worker's scratch directory", 30)
+
+
+def _environ(pid: int) -> str:
+    """The environment `pid` was started with (entries NUL-separated)."""
+    return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
 
 
 def _scratch_of(pid: int) -> list[Path]:

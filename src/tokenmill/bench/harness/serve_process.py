@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from tokenmill.openmp_env import untune
 from tokenmill.procs import process_alive
 from tokenmill.runtime.scratch import remove_scratch_of
 from tokenmill.runtime.supervisor import kill_leftovers
@@ -92,11 +93,14 @@ def log_tail(log_path: Path, chars: int = 2000) -> str:
 
 def launch(argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen:
     """`argv` in its own process group (so `stop` reaches every child), output appended to `log_path`;
-    `env` entries are added to this process's environment."""
+    `env` entries are added to this process's environment, less the own engine's OpenMP tuning
+    (a tokenmill process sets it again itself; an outside engine runs on its own defaults)."""
     log.debug("starting %s", " ".join(argv))
+    child_env = dict(os.environ)
+    untune(child_env)
     with open(log_path, "ab") as server_log:
         return subprocess.Popen(list(argv), stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=None if env is None else {**os.environ, **env})
+                                env={**child_env, **(env or {})})
 
 
 def stop(server: ServeProcess) -> None:

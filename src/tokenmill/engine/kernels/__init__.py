@@ -21,12 +21,17 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.engine.cpu_features import cpu_flags
+
 log = logging.getLogger(__name__)
 
 # Not -ffast-math: linking it sets flush-to-zero for the whole process. These allow what
 # vectorises the reductions and expf (the kernel only ever sees finite values).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-ffinite-math-only", "-freciprocal-math", "-fPIC", "-shared", "-std=c11", "-pthread"]
+# the kernels' threads are torch's OpenMP pool (parallel.h); a compiler without OpenMP builds them
+# with threads of their own
+_OPENMP_FLAGS = ["-fopenmp"]
 MAX_HEAD_DIM = 256
 
 
@@ -38,7 +43,10 @@ def _cache_dir() -> Path:
 def _build(source_path: Path) -> Path:
     # the headers beside it count too: a changed header must rebuild every kernel
     source = b"".join(p.read_bytes() for p in [source_path, *sorted(source_path.parent.glob("*.h"))])
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    # -march=native: a build is for this CPU's instructions (a cache shared between hosts must not
+    # hand an AVX-512 build to a CPU without them)
+    build = " ".join([*_FLAGS, *_OPENMP_FLAGS, *sorted(cpu_flags())])
+    digest = hashlib.sha256(source + build.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source_path.stem}-{digest}.so"
     if target.is_file():
         return target
@@ -48,11 +56,19 @@ def _build(source_path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(source_path), "-o", str(partial), "-lm"],
-                       check=True, capture_output=True, text=True)
+        try:
+            _compile(compiler, [*_FLAGS, *_OPENMP_FLAGS], source_path, partial)
+        except subprocess.CalledProcessError as exc:
+            log.info("building %s without OpenMP: %s", source_path.name, exc.stderr.strip()[-500:])
+            _compile(compiler, _FLAGS, source_path, partial)
         os.replace(partial, target)  # atomic: another process sees all of it or nothing
     log.info("built native kernel %s", target)
     return target
+
+
+def _compile(compiler: str, flags: list[str], source_path: Path, out: Path) -> None:
+    subprocess.run([compiler, *flags, str(source_path), "-o", str(out), "-lm"], check=True, capture_output=True,
+                   text=True)
 
 
 def load_library(source_name: str) -> ctypes.CDLL | None:

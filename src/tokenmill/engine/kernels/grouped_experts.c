@@ -5,7 +5,8 @@
  * Why: with 1-16 rows per expert, a bf16 GEMM library call is dominated by per-call work
  * (weight reorders, small-M tiling) and reads its weights at 3-5 GB/s. Here a weight is
  * pre-packed once into 16-row panels, so one step streams every active expert's panels
- * front to back while the rows stay in L1 and every panel is read once per 6 rows.
+ * front to back while the rows stay in L1 and every panel is read once per ROWS rows (6, or 12
+ * with AVX-512).
  *
  * Packed layout of a weight W [O, K] (out x in, row-major): P [ceil(O/16)][K][16] with
  * P[j][k][r] = W[16j + r][k], zero past row O. bf16 weights stay bf16 (widened to fp32 in
@@ -27,12 +28,21 @@
 
 #include "parallel.h"
 #include "vector_math.h"
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #define PANEL 16
-#define ROWS 6 /* rows sharing one pass over a panel: 12 accumulators + 2 weights + 1 row value */
+/* Rows sharing one pass over a panel, as many as the registers hold: AVX2 keeps a row's 16 sums in
+ * 2 registers (12 for 6 rows, + 2 weights + 1 row value of 16); AVX-512 in 1 (12 of its 32, and
+ * each step's products twice as wide). Both sum a row's products in the same order (k ascending,
+ * one fused multiply-add each), so a row's result depends neither on which of the two built it
+ * nor on the rows beside it. */
+#if defined(__AVX512F__)
+#define ROWS 12
+#else
+#define ROWS 6
+#endif
 
 /* Panels are read front to back, yet left to the hardware prefetcher the reads and the FMAs
  * took turns (a layer's experts ran at about half the copy bandwidth); fetching 2 KB ahead in
@@ -40,10 +50,32 @@
  * touches nothing: a prefetch never faults. */
 #define LINE 64
 #define PREFETCH_AHEAD 2048
+#define PREFETCH(w, k, T)                                                                    \
+    if (!((k) & (LINE / (PANEL * sizeof(T)) - 1))) /* once per cache line */                 \
+        __builtin_prefetch((const char *)(w) + PREFETCH_AHEAD, 0, 3)
 
 /* acc[r][0..15] = sum_k x[r][k] * panel[k][0..15] for r < nr (nr <= ROWS). Always inlined into
  * a switch on nr, so that each case has a constant row count and its sums live in registers. */
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+#define BF16_16(w) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w))), 16))
+#define F32_16(w) _mm512_loadu_ps(w)
+
+#define DEFINE_PANEL(NAME, T, LOAD)                                                           \
+static inline __attribute__((always_inline)) void NAME##_n(const float *const *x, const int nr, \
+                                                           const T *panel, int K, float acc[ROWS][PANEL]) { \
+    __m512 a[ROWS];                                                                          \
+    for (int r = 0; r < nr; r++) a[r] = _mm512_setzero_ps();                                 \
+    for (int k = 0; k < K; k++) {                                                            \
+        const T *w = panel + (size_t)k * PANEL;                                              \
+        PREFETCH(w, k, T);                                                                   \
+        const __m512 wv = LOAD(w);                                                           \
+        for (int r = 0; r < nr; r++) a[r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r][k]), a[r]); \
+    }                                                                                        \
+    for (int r = 0; r < nr; r++) _mm512_storeu_ps(acc[r], a[r]);                             \
+}
+DEFINE_PANEL(panel_bf16, uint16_t, BF16_16)
+DEFINE_PANEL(panel_f32, float, F32_16)
+#elif defined(__AVX2__) && defined(__FMA__)
 #define BF16_LO(w) widen8_bf16(w)
 #define BF16_HI(w) widen8_bf16((w) + 8)
 #define F32_LO(w) _mm256_loadu_ps(w)
@@ -56,8 +88,7 @@ static inline __attribute__((always_inline)) void NAME##_n(const float *const *x
     for (int r = 0; r < nr; r++) a0[r] = a1[r] = _mm256_setzero_ps();                        \
     for (int k = 0; k < K; k++) {                                                            \
         const T *w = panel + (size_t)k * PANEL;                                              \
-        if (!(k & (LINE / (PANEL * sizeof(T)) - 1))) /* once per cache line */              \
-            __builtin_prefetch((const char *)w + PREFETCH_AHEAD, 0, 3);                      \
+        PREFETCH(w, k, T);                                                                   \
         const __m256 lo = LOAD_LO(w), hi = LOAD_HI(w);                                       \
         for (int r = 0; r < nr; r++) {                                                       \
             const __m256 b = _mm256_broadcast_ss(x[r] + k);                                  \
@@ -70,23 +101,35 @@ static inline __attribute__((always_inline)) void NAME##_n(const float *const *x
         _mm256_storeu_ps(acc[r] + 8, a1[r]);                                                 \
     }                                                                                        \
 }
+DEFINE_PANEL(panel_bf16, uint16_t, BF16_LO, BF16_HI)
+DEFINE_PANEL(panel_f32, float, F32_LO, F32_HI)
 #else
-#define DEFINE_PANEL(NAME, T, LOAD_LO, LOAD_HI)                                               \
+#define DEFINE_PANEL(NAME, T, LOAD)                                                           \
 static inline void NAME##_n(const float *const *x, const int nr, const T *panel, int K,      \
                             float acc[ROWS][PANEL]) {                                        \
     memset(acc, 0, sizeof(float) * ROWS * PANEL);                                            \
     for (int k = 0; k < K; k++) {                                                            \
         const T *w = panel + (size_t)k * PANEL;                                              \
         for (int r = 0; r < nr; r++)                                                         \
-            for (int i = 0; i < PANEL; i++) acc[r][i] += LOAD_LO(w[i]) * x[r][k];            \
+            for (int i = 0; i < PANEL; i++) acc[r][i] += LOAD(w[i]) * x[r][k];     \
     }                                                                                        \
 }
-#define BF16_LO(v) bf16_to_f32(v)
-#define F32_LO(v) (v)
+#define F32_1(v) (v)
+DEFINE_PANEL(panel_bf16, uint16_t, bf16_to_f32)
+DEFINE_PANEL(panel_f32, float, F32_1)
 #endif
-DEFINE_PANEL(panel_bf16, uint16_t, BF16_LO, BF16_HI)
-DEFINE_PANEL(panel_f32, float, F32_LO, F32_HI)
 
+#if ROWS > 6
+#define CASES_PAST_6(NAME)                                                                    \
+    case 6: NAME##_n(x, 6, panel, K, acc); break;                                            \
+    case 7: NAME##_n(x, 7, panel, K, acc); break;                                            \
+    case 8: NAME##_n(x, 8, panel, K, acc); break;                                            \
+    case 9: NAME##_n(x, 9, panel, K, acc); break;                                            \
+    case 10: NAME##_n(x, 10, panel, K, acc); break;                                          \
+    case 11: NAME##_n(x, 11, panel, K, acc); break;
+#else
+#define CASES_PAST_6(NAME)
+#endif
 #define DEFINE_DISPATCH(NAME, T)                                                              \
 static void NAME(const float *const *x, int nr, const T *panel, int K, float acc[ROWS][PANEL]) { \
     switch (nr) {                                                                            \
@@ -95,6 +138,7 @@ static void NAME(const float *const *x, int nr, const T *panel, int K, float acc
     case 3: NAME##_n(x, 3, panel, K, acc); break;                                            \
     case 4: NAME##_n(x, 4, panel, K, acc); break;                                            \
     case 5: NAME##_n(x, 5, panel, K, acc); break;                                            \
+    CASES_PAST_6(NAME)                                                                       \
     default: NAME##_n(x, ROWS, panel, K, acc); break;                                        \
     }                                                                                        \
 }
@@ -120,10 +164,8 @@ static void NAME(const float *const *x, float *const *y, int nr, const T *packed
 DEFINE_ROWS(rows_bf16, uint16_t, panel_bf16)
 DEFINE_ROWS(rows_f32, float, panel_f32)
 
-/* A call's weights are split between threads only when each share is worth a thread's start:
- * starting one and joining it costs ~100 us on a 2-vCPU VM (an idle vCPU has to wake up). */
-#define MIN_BYTES_PER_THREAD (2 * 1024 * 1024)
-
+/* A call's weights are split between threads only when each share is worth a thread's start
+ * (MIN_BYTES_PER_THREAD, parallel.h). */
 static int threads_for(size_t weight_bytes, int threads) {
     const size_t most = weight_bytes / MIN_BYTES_PER_THREAD;
     return most < 1 ? 1 : (size_t)threads < most ? threads : (int)most;

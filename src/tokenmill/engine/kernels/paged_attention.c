@@ -263,8 +263,7 @@ static void decode_task(void *ctx, int b) {
     else sequence_f32(jb, b);
 }
 
-/* Threads only when the K/V to read is worth a thread's start (~100 us; see parallel.h). */
-#define MIN_KV_BYTES_PER_THREAD (2 * 1024 * 1024)
+/* Threads only when the K/V to read is worth a thread's start (MIN_BYTES_PER_THREAD, parallel.h). */
 
 static int decode(const void *q, const void *k, const void *v, const int64_t *block_tables,
                   const int64_t *context_lens, float *out, int B, int H, int KVH, int D, int BS,
@@ -275,7 +274,7 @@ static int decode(const void *q, const void *k, const void *v, const int64_t *bl
     atomic_init(&jb.failed, 0);
     int64_t tokens = 0;
     for (int b = 0; b < B; b++) tokens += context_lens[b];
-    const int64_t most = tokens * 2 * KVH * D * (bf16 ? 2 : 4) / MIN_KV_BYTES_PER_THREAD;
+    const int64_t most = tokens * 2 * KVH * D * (bf16 ? 2 : 4) / MIN_BYTES_PER_THREAD;
     parallel_for(decode_task, &jb, B, most < 1 ? 1 : most < threads ? (int)most : threads);
     return atomic_load(&jb.failed) ? -1 : 0;
 }

@@ -1,10 +1,14 @@
-/* A parallel-for for the native kernels: the calling thread and up to threads-1 pthreads made
- * for this call take tasks from one shared counter until none is left.
+/* A parallel-for for the native kernels: up to `threads` threads take tasks from one shared
+ * counter until none is left. Which thread runs a task never changes what the task computes, so
+ * results do not depend on the thread count.
  *
- * Why threads per call and not a pool: a pool's idle threads would spin or sleep beside
- * PyTorch's own. Starting and joining a thread costs ~100 us on a 2-vCPU VM (the idle vCPU has
- * to wake up), so callers thread only calls of a millisecond or more. If a thread cannot be
- * created, its share runs on the others. */
+ * Built with OpenMP (the default), the threads are PyTorch's own: torch has loaded its libgomp
+ * before these kernels, so the dynamic linker binds them to it (same soname) and they run on its
+ * pool, whose threads are already awake between torch's ops: a region starts in microseconds.
+ * Without OpenMP, the caller and threads-1 pthreads made for the call share the tasks; starting
+ * and joining a thread costs ~100 us on a 2-vCPU VM (the idle vCPU has to wake up), so callers
+ * thread only calls of a millisecond or more. If a thread cannot be created, its share runs on
+ * the others. */
 #ifndef TOKENMILL_PARALLEL_H
 #define TOKENMILL_PARALLEL_H
 #include <pthread.h>
@@ -27,6 +31,25 @@ static void *parallel_worker(void *arg) {
     return NULL;
 }
 
+#ifdef _OPENMP
+#include <omp.h>
+/* A thread's share must move at least this much memory to be worth handing to it. */
+#define MIN_BYTES_PER_THREAD (128 * 1024)
+
+static void parallel_for(task_fn fn, void *ctx, int tasks, int threads) {
+    struct parallel_run run = {.fn = fn, .ctx = ctx, .tasks = tasks};
+    atomic_init(&run.next, 0);
+    if (threads > tasks) threads = tasks;
+    if (threads <= 1) {
+        parallel_worker(&run);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    parallel_worker(&run);
+}
+#else
+#define MIN_BYTES_PER_THREAD (2 * 1024 * 1024)
+
 static void parallel_for(task_fn fn, void *ctx, int tasks, int threads) {
     struct parallel_run run = {.fn = fn, .ctx = ctx, .tasks = tasks};
     atomic_init(&run.next, 0);
@@ -39,4 +62,5 @@ static void parallel_for(task_fn fn, void *ctx, int tasks, int threads) {
     parallel_worker(&run);
     for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
 }
+#endif
 #endif

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tokenmill.engine.cpu_features import cpu_flags
 from tokenmill.engines.options import check_vllm_transfer_backends, parse_engine_args
+from tokenmill.openmp_env import untune
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,9 @@ def check_block_size(block_size: int) -> None:
 
 
 def _apply_environment(args: argparse.Namespace) -> None:
-    """vLLM's CPU worker reads these from the environment (a user's own setting wins)."""
+    """vLLM's CPU worker reads these from the environment (a user's own setting wins); the OpenMP
+    tuning of tokenmill's own engine does not reach vLLM's processes."""
+    untune(os.environ)
     if args.threads is not None:
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     # "auto" binds every core but one to this worker: wrong for several workers sharing a host
