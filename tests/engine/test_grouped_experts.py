@@ -3,10 +3,6 @@ random shapes, ragged and empty experts, bf16 and fp32; and the MoE layer's nati
 its per-expert PyTorch path."""
 from __future__ import annotations
 
-import ctypes
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.engine.helpers import outputs_around_doubling_down, seeded_moe
-from tokenmill.engine import kernels
 from tokenmill.engine.kernels import grouped_experts
 from tokenmill.engine.models.moe import SparseMoE
 from tokenmill.engine.models.native_linear import NativeLinear
@@ -228,30 +223,3 @@ def test_weights_large_enough_to_share_out_give_the_same_sums_on_two_threads(dty
     assert torch.allclose(results[2][0], x @ weight.float().T, atol=1e-3, rtol=1e-4)
     ref = _reference_moe(x, ids, weights, w13, w2).float()
     assert torch.allclose(results[2][1], ref, atol=1e-3, rtol=1e-3)
-
-
-def _linear_with(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    fn = getattr(lib, "tm_linear_bf16" if packed.dtype == torch.bfloat16 else "tm_linear_f32")
-    fn.argtypes, fn.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4, ctypes.c_int
-    y = torch.empty(x.shape[0], out_features)
-    assert fn(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], out_features, 2) == 0
-    return y
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_rows_sums_depend_neither_on_the_rows_beside_it_nor_on_avx512(dtype: torch.dtype, tmp_path) -> None:
-    """Rows share passes over a panel in groups (6 with AVX2, 12 with AVX-512), yet every row is
-    summed in one order: alone, in any batch and in either build, its result is the same bit for
-    bit. (On a CPU without AVX-512 both builds are the AVX2 one.)"""
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(30, 200, generator=g)
-    weight = (torch.randn(70, 200, generator=g) / 10).to(dtype)
-    packed = grouped_experts.pack_panels(weight)
-    alone = torch.cat([grouped_experts.linear(x[r:r + 1], packed, 70) for r in range(30)])
-    for rows in (1, 5, 6, 7, 11, 12, 13, 24, 25, 30):
-        assert torch.equal(grouped_experts.linear(x[:rows], packed, 70), alone[:rows]), rows
-    source = Path(kernels.__file__).with_name("grouped_experts.c")
-    without_avx512 = tmp_path / "grouped_experts_avx2.so"
-    kernels._compile(shutil.which("cc") or "gcc", [*kernels._FLAGS, *kernels._OPENMP_FLAGS, "-mno-avx512f"],
-                     source, without_avx512)
-    assert torch.equal(_linear_with(ctypes.CDLL(str(without_avx512)), x, packed, 70), alone)

@@ -5,8 +5,8 @@ servers of each comparison, `engines_report` the figures).
   Targets: output tok/s tokenmill / vLLM >= 0.95, TTFT p50 tokenmill / vLLM <= 1.1.
 - routing: `tokenmill serve --engine vllm --workers 2`, `--router kv` vs `round-robin`, on
   prefix-routing's shared-prefix load. Targets: mean TTFT rr / kv >= 1.5, p99 TTFT kv / rr <= 1.1.
-- engines: tokenmill's own engine vs `--engine vllm`, same threads, float32. No target: the own
-  engine's anchor.
+- engines: tokenmill's own engine vs `--engine vllm`, same threads, same `--dtype` (float32 unless
+  told). No target: the own engine's anchor.
 
 Load (layer, engines): `--requests` slices of the package's English corpus, 300-1,000 tokens each,
 sent as token ids (both servers get the very same prompts), 128 output tokens with `ignore_eos`,
@@ -93,6 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
     parser.add_argument("--start-timeout-s", type=float, default=300.0, help="until a server is ready")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="every side's weights and KV (bfloat16: where the CPU has it natively, e.g. AMX)")
     parser.add_argument("--quick", action="store_true", help="a tiny run (a smoke test): few, short requests")
     parser.add_argument("--json", dest="json_path", metavar="OUT", help="write results here")
 
@@ -153,7 +155,7 @@ def resolve(args: argparse.Namespace) -> EnginesConfig:
         shape=shape, max_model_len=args.max_model_len, model_context=context, threads=args.threads,
         kvcache_gib=args.kvcache_gib, prefix_words=sizes["prefix_words"], groups=sizes["groups"],
         pool_fraction=args.pool_fraction, timeout_s=args.timeout_s, start_timeout_s=args.start_timeout_s,
-        seed=args.seed)
+        seed=args.seed, dtype=args.dtype)
 
 
 def build_comparisons(cfg: EnginesConfig) -> list[Comparison]:

@@ -73,6 +73,7 @@ class EnginesConfig:
     timeout_s: float
     start_timeout_s: float
     seed: int
+    dtype: str = "float32"  # every side's
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,20 +118,21 @@ def _vllm_worker(cfg: EnginesConfig, name: str, max_model_len: int, workers: int
                  extra: Sequence[str] = ()) -> Side:
     """`tokenmill serve --engine vllm` from this venv, as a user runs it: the frontend here, the
     workers under the vLLM venv's python."""
-    flags = (*VLLM_SERVE_FLAGS, "--engine-python", str(cfg.engine_python), "--model", str(cfg.model),
+    flags = (*VLLM_SERVE_FLAGS, "--engine-arg", f"dtype={cfg.dtype}", "--engine-python", str(cfg.engine_python),
+             "--model", str(cfg.model),
              "--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len), "--block-size", str(BLOCK_SIZE), *extra)
     return Side(name, SERVE, sys.executable, flags, workers, _vllm_env(cfg, workers))
 
 
 def _vllm_alone(cfg: EnginesConfig) -> Side:
-    flags = ("--model", str(cfg.model), "--served-model-name", SERVED_NAME, "--dtype", "float32",
+    flags = ("--model", str(cfg.model), "--served-model-name", SERVED_NAME, "--dtype", cfg.dtype,
              "--enforce-eager", "--max-model-len", str(cfg.max_model_len), "--block-size", str(BLOCK_SIZE))
     return Side(VLLM_ALONE, VLLM_ALONE, str(cfg.engine_python), flags, 1, _vllm_env(cfg, 1))
 
 
 def _own_engine(cfg: EnginesConfig) -> Side:
     flags = ("--model", str(cfg.model), "--served-model-name", SERVED_NAME, "--threads", str(cfg.threads),
-             "--dtype", "float32", "--max-model-len", str(cfg.max_model_len),
+             "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
              "--kv-cache-gb", str(cfg.kvcache_gib))
     return Side("own-engine", SERVE, sys.executable, flags)
 

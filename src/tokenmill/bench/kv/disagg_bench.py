@@ -261,7 +261,7 @@ def _validate(args: argparse.Namespace, mix: Mix, context_len: int) -> None:
 def _arm_flags(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     from tokenmill.bench.harness.serve_process import VLLM_SERVE_FLAGS
 
-    engine = list(VLLM_SERVE_FLAGS) if args.engine == "vllm" else []
+    engine = [*VLLM_SERVE_FLAGS, "--engine-arg", "dtype=float32"] if args.engine == "vllm" else []
     arms = [(AGGREGATED, shlex.split(args.agg_flags) + engine), (DISAGGREGATED, shlex.split(args.disagg_flags) + engine)]
     keep = {"both": (AGGREGATED, DISAGGREGATED), "agg": (AGGREGATED,), "disagg": (DISAGGREGATED,)}[args.arms]
     return [(name, flags) for name, flags in arms if name in keep]

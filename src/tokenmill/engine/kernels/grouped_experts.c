@@ -5,7 +5,7 @@
  * Why: with 1-16 rows per expert, a bf16 GEMM library call is dominated by per-call work
  * (weight reorders, small-M tiling) and reads its weights at 3-5 GB/s. Here a weight is
  * pre-packed once into 16-row panels, so one step streams every active expert's panels
- * front to back while the rows stay in L1 and every panel is read once per ROWS rows (6, or 12
+ * front to back while the rows stay in L1 and every panel is read once per ROWS rows (6, or 16
  * with AVX-512).
  *
  * Packed layout of a weight W [O, K] (out x in, row-major): P [ceil(O/16)][K][16] with
@@ -34,12 +34,12 @@
 
 #define PANEL 16
 /* Rows sharing one pass over a panel, as many as the registers hold: AVX2 keeps a row's 16 sums in
- * 2 registers (12 for 6 rows, + 2 weights + 1 row value of 16); AVX-512 in 1 (12 of its 32, and
+ * 2 registers (12 for 6 rows, + 2 weights + 1 row value of 16); AVX-512 in 1 (16 of its 32, and
  * each step's products twice as wide). Both sum a row's products in the same order (k ascending,
  * one fused multiply-add each), so a row's result depends neither on which of the two built it
  * nor on the rows beside it. */
 #if defined(__AVX512F__)
-#define ROWS 12
+#define ROWS 16
 #else
 #define ROWS 6
 #endif
@@ -126,7 +126,11 @@ DEFINE_PANEL(panel_f32, float, F32_1)
     case 8: NAME##_n(x, 8, panel, K, acc); break;                                            \
     case 9: NAME##_n(x, 9, panel, K, acc); break;                                            \
     case 10: NAME##_n(x, 10, panel, K, acc); break;                                          \
-    case 11: NAME##_n(x, 11, panel, K, acc); break;
+    case 11: NAME##_n(x, 11, panel, K, acc); break;                                          \
+    case 12: NAME##_n(x, 12, panel, K, acc); break;                                          \
+    case 13: NAME##_n(x, 13, panel, K, acc); break;                                          \
+    case 14: NAME##_n(x, 14, panel, K, acc); break;                                          \
+    case 15: NAME##_n(x, 15, panel, K, acc); break;
 #else
 #define CASES_PAST_6(NAME)
 #endif
