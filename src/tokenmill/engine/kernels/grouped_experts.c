@@ -111,7 +111,7 @@ static inline void NAME##_n(const float *const *x, const int nr, const T *panel,
     for (int k = 0; k < K; k++) {                                                            \
         const T *w = panel + (size_t)k * PANEL;                                              \
         for (int r = 0; r < nr; r++)                                                         \
-            for (int i = 0; i < PANEL; i++) acc[r][i] += LOAD(w[i]) * x[r][k];     \
+            for (int i = 0; i < PANEL; i++) acc[r][i] += LOAD(w[i]) * x[r][k];               \
     }                                                                                        \
 }
 #define F32_1(v) (v)
