@@ -36,6 +36,7 @@ def _config(model: Path, *flags: str) -> EnginesConfig:
     (["--max-model-len", "512"], "--max-model-len"),
     (["--threads", "100000"], "--threads"),
     (["--engine-python", "/nonexistent/python"], "make install-vllm"),
+    (["--dtype", "float16"], "--dtype float16"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(flags: list[str], named: str, caplog: pytest.LogCaptureFixture) -> None:
     assert main(["bench", "engines", *flags]) == 2
@@ -75,6 +76,18 @@ def test_sides_follow_the_contract(tiny_dense: Path) -> None:
     assert [s.prompt for s in layer.specs] == [s.prompt for s in engines.specs]
     starts = {tuple(s.prompt[:8]) for s in layer.specs} | {tuple(s.prompt[:8]) for s in layer.warmup}
     assert len(starts) == len(layer.specs) + len(layer.warmup)
+
+
+def test_every_side_runs_at_the_one_dtype(tiny_dense: Path) -> None:
+    for dtype in ("float32", "bfloat16"):
+        flags = ("--dtype", dtype) if dtype != "float32" else ()  # float32 unless told
+        layer, _, engines = engines_bench.build_comparisons(_config(tiny_dense, "--threads", "1", *flags))
+        (ours, alone), (own, vllm) = layer.sides, engines.sides
+        other = "bfloat16" if dtype == "float32" else "float32"
+        for side in (ours, vllm):
+            assert f"dtype={dtype}" in side.flags and f"dtype={other}" not in side.flags
+        for side in (alone, own):
+            assert side.flags[side.flags.index("--dtype") + 1] == dtype
 
 
 def test_corpus_requests_are_seeded_slices_in_range() -> None:

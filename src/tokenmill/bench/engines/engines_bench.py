@@ -61,6 +61,7 @@ SIZES: dict[str, tuple[int, int]] = {
     "requests": (48, 4), "concurrency": (16, 2), "routing_concurrency": (8, 2), "min_input": (300, 48),
     "max_input": (1000, 96), "max_tokens": (128, 16), "prefix_words": (1000, 48), "groups": (8, 2),
 }
+DTYPES = ("float32", "bfloat16")  # bfloat16 only pays where the CPU multiplies it natively
 _POSITIVE = ("repeats", "max_model_len", "threads", "kvcache_gib", "pool_fraction", "timeout_s",
              "start_timeout_s", *SIZES)
 
@@ -93,8 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
     parser.add_argument("--start-timeout-s", type=float, default=300.0, help="until a server is ready")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="every side's weights and KV (bfloat16: where the CPU has it natively, e.g. AMX)")
+    parser.add_argument("--dtype", default="float32",
+                        help=f"every side's weights and KV: {' or '.join(DTYPES)} (bfloat16 where the CPU has it "
+                             "natively, e.g. AMX)")
     parser.add_argument("--quick", action="store_true", help="a tiny run (a smoke test): few, short requests")
     parser.add_argument("--json", dest="json_path", metavar="OUT", help="write results here")
 
@@ -144,6 +146,8 @@ def resolve(args: argparse.Namespace) -> EnginesConfig:
                          f"{shape.max_output} output tokens")
     if args.threads > (os.cpu_count() or 1):
         raise ValueError(f"--threads {args.threads}: this machine has {os.cpu_count()} cores")
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype {args.dtype}: choose {' or '.join(DTYPES)}")
     engine_python = _engine_python(args)
     model = Path(args.model) if args.model else _repo_root() / ".models" / "smollm2-135m-instruct"
     context = _model_context(model)
