@@ -119,8 +119,8 @@ def _vllm_worker(cfg: EnginesConfig, name: str, max_model_len: int, workers: int
     """`tokenmill serve --engine vllm` from this venv, as a user runs it: the frontend here, the
     workers under the vLLM venv's python."""
     flags = (*VLLM_SERVE_FLAGS, "--engine-arg", f"dtype={cfg.dtype}", "--engine-python", str(cfg.engine_python),
-             "--model", str(cfg.model),
-             "--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len), "--block-size", str(BLOCK_SIZE), *extra)
+             "--model", str(cfg.model), "--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len),
+             "--block-size", str(BLOCK_SIZE), *extra)
     return Side(name, SERVE, sys.executable, flags, workers, _vllm_env(cfg, workers))
 
 

