@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 # vectorises the reductions and expf (the kernel only ever sees finite values).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-ffinite-math-only", "-freciprocal-math", "-fPIC", "-shared", "-std=c11", "-pthread"]
-# the kernels' threads are torch's OpenMP pool (parallel.h); a compiler without OpenMP builds them
-# with threads of their own
+# the kernels' threads are torch's OpenMP pool (parallel.h); a compiler without OpenMP, or a torch on
+# another OpenMP runtime than GNU's, gets kernels with threads of their own (see _openmp_flags)
 _OPENMP_FLAGS = ["-fopenmp"]
 MAX_HEAD_DIM = 256
 
@@ -45,7 +45,7 @@ def _build(source_path: Path) -> Path:
     source = b"".join(p.read_bytes() for p in [source_path, *sorted(source_path.parent.glob("*.h"))])
     # -march=native: a build is for this CPU's instructions (a cache shared between hosts must not
     # hand an AVX-512 build to a CPU without them)
-    build = " ".join([*_FLAGS, *_OPENMP_FLAGS, *sorted(cpu_flags())])
+    build = " ".join([*_FLAGS, *_openmp_flags(), *sorted(cpu_flags())])
     digest = hashlib.sha256(source + build.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source_path.stem}-{digest}.so"
     if target.is_file():
@@ -57,13 +57,27 @@ def _build(source_path: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
         try:
-            _compile(compiler, [*_FLAGS, *_OPENMP_FLAGS], source_path, partial)
+            _compile(compiler, [*_FLAGS, *_openmp_flags()], source_path, partial)
         except subprocess.CalledProcessError as exc:
+            if not _openmp_flags():
+                raise
             log.info("building %s without OpenMP: %s", source_path.name, exc.stderr.strip()[-500:])
             _compile(compiler, _FLAGS, source_path, partial)
         os.replace(partial, target)  # atomic: another process sees all of it or nothing
     log.info("built native kernel %s", target)
     return target
+
+
+@cache
+def _openmp_flags() -> list[str]:
+    """-fopenmp where torch runs on GNU OpenMP (its libgomp is loaded): the kernels, linked against
+    the same soname, then share its pool. Another runtime (Intel's, LLVM's) would give the process
+    a second pool competing with torch's for the cores: those kernels start threads of their own."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return _OPENMP_FLAGS if "/libgomp" in maps else []
 
 
 def _compile(compiler: str, flags: list[str], source_path: Path, out: Path) -> None:

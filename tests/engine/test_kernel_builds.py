@@ -1,6 +1,7 @@
-"""The native kernels give the same bits whatever the batch beside a row and whichever of their
-two vector builds runs: AVX2, or AVX-512 where the CPU has it (each kernel sums every output in
-one fixed order in both). On a CPU without AVX-512 both builds are the AVX2 one."""
+"""The native kernels give the same bits whatever the batch beside a row, whichever of their two
+vector builds runs (AVX2, or AVX-512 where the CPU has it: each kernel sums every output in one
+fixed order in both; on a CPU without AVX-512 both builds are the AVX2 one), and whichever
+threads run them (torch's OpenMP pool, or threads of their own)."""
 from __future__ import annotations
 
 import ctypes
@@ -18,9 +19,12 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def build_without_avx512(source_name: str, out_dir: Path) -> ctypes.CDLL:
     """The kernels of `source_name` as a CPU with AVX2 but no AVX-512 runs them."""
-    out = out_dir / source_name.replace(".c", "-avx2.so")
-    kernels._compile(shutil.which("cc") or "gcc", [*kernels._FLAGS, *kernels._OPENMP_FLAGS, "-mno-avx512f"],
-                     Path(kernels.__file__).with_name(source_name), out)
+    return _build(source_name, out_dir / source_name.replace(".c", "-avx2.so"),
+                  [*kernels._FLAGS, *kernels._openmp_flags(), "-mno-avx512f"])
+
+
+def _build(source_name: str, out: Path, flags: list[str]) -> ctypes.CDLL:
+    kernels._compile(shutil.which("cc") or "gcc", flags, Path(kernels.__file__).with_name(source_name), out)
     return ctypes.CDLL(str(out))
 
 
@@ -62,3 +66,25 @@ def test_prefill_attention_gives_the_same_bits_with_and_without_avx512(dtype: to
     assert fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), out.data_ptr(), context, queries, heads,
               kv_heads, dim, block_size, 0.125, 2) == 0
     assert torch.equal(out, native)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_build_without_openmp_threads_its_own_way_to_the_same_bits(dtype: torch.dtype, tmp_path) -> None:
+    """Where torch is not on GNU OpenMP the kernels start threads of their own (pthreads, a share
+    of 2 MB each): a weight of 4-8 MB is then split between two of them, with the same sums."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(12, 512, generator=g)
+    weight = (torch.randn(4096, 512, generator=g) / 20).to(dtype)
+    packed = grouped_experts.pack_panels(weight)
+    lib = _build("grouped_experts.c", tmp_path / "grouped_experts-pthreads.so", kernels._FLAGS)
+    assert torch.equal(_linear_with(lib, x, packed, 4096), grouped_experts.linear(x, packed, 4096))
+
+
+def test_the_kernels_share_torchs_libgomp() -> None:
+    """Built with -fopenmp where torch runs on GNU OpenMP, and bound to the very libgomp torch
+    loaded: the process has one OpenMP pool, not two competing for the cores."""
+    assert kernels.available() and grouped_experts.available(torch.float32)
+    assert prefill_attention.supported(torch.float32, 64)
+    assert kernels._openmp_flags() == ["-fopenmp"]  # torch's CPU wheel runs on GNU OpenMP
+    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "/libgomp" in line}
+    assert len(loaded) == 1 and Path(next(iter(loaded))).parent == Path(torch.__file__).parent / "lib", loaded
