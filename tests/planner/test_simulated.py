@@ -117,6 +117,20 @@ def test_planner_simulate_refuses_bad_flags(capsys) -> None:
     assert "--max-step" in capsys.readouterr().out
     assert main([*base, "--change", "10:add:agg"]) == 2
     assert main([*base, "--prefill", "1"]) == 2
+    capsys.readouterr()
+    assert main([*base, "--score-from-s", "-1"]) == 2
+    assert "--score-from-s" in capsys.readouterr().out
+
+
+def test_a_run_scored_from_a_second_counts_the_requests_and_gpu_time_after_it() -> None:
+    config = FleetConfig(profiles={"agg": parse_profile("llama-3.1-8b@h100:fp8:tp1")}, agg=2, sla=SLA(1.0, 0.05))
+    requests = synthetic("poisson", rate=2.0, duration_s=120.0, input_tokens=500, output_tokens=20, seed=1)
+    sim = FleetSim(config)
+    sim.run(requests)
+    whole, later = summarize(sim), summarize(sim, since_s=60.0)
+    assert later.totals["requests"] == sum(1 for r in requests if r.arrival_s >= 60.0) < whole.totals["requests"]
+    end_s = whole.totals["gpu_hours"] * 3600 / 2  # two one-GPU replicas from t = 0
+    assert later.totals["gpu_hours"] == pytest.approx(2 * (end_s - 60.0) / 3600)
 
 
 def test_a_forecaster_warm_started_from_a_trace_predicts_from_the_first_interval(tmp_path: Path) -> None:

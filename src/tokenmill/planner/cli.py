@@ -19,6 +19,8 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
      "the planner against a running tokenmill serve: observe /metrics, scale through /admin/workers"),
     ("simulate", "tokenmill.planner.simulate",
      "the planner sizing a simulated fleet over a trace, beside static-peak and oracle baselines"),
+    ("choose", "tokenmill.planner.choose",
+     "which shape (agg, disagg at each threshold) and planner mode serve a load at the fewest GPU-hours"),
 )
 
 

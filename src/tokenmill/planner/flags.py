@@ -26,6 +26,11 @@ def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | N
     g.add_argument("--burst-quantile", type=float, default=0.9,
                    help="size the prefill pool for this quantile of the coming interval's busiest second, "
                         "forecast from the last 40 intervals'")
+    g.add_argument("--hold-quantile", type=float, default=0.8,
+                   help="size each pool for this quantile of its last --hold-window-s of proposals, so bursts "
+                        "shorter than a replica start-up are not chased")
+    g.add_argument("--hold-window-s", type=float, default=None,
+                   help="the proposals held over (default: 10 replica start-ups in the simulator; off live; 0: off)")
     g.add_argument("--fast-path-s", type=float, default=None,
                    help="between intervals, every this many seconds: add replicas at once to a pool whose "
                         "TTFT p90 or queue time is over its target now (default: off)")
@@ -44,9 +49,13 @@ def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | N
 
 
 def check_planner_flags(args: argparse.Namespace) -> None:
-    """ValueError naming the flag: the quantiles in (0, 1); the fast path off or within an interval."""
+    """ValueError naming the flag: the quantiles in (0, 1); the hold's window >= 0; the fast path
+    off or within an interval."""
     check_quantile(args.forecast_quantile, "--forecast-quantile")
     check_quantile(args.burst_quantile, "--burst-quantile")
+    check_quantile(args.hold_quantile, "--hold-quantile")
+    if args.hold_window_s is not None and args.hold_window_s < 0:
+        raise ValueError(f"--hold-window-s must be >= 0, got {args.hold_window_s:g}")
     fast, interval = args.fast_path_s, args.planner_interval_s
     if fast is not None and not 0 < fast < interval:
         raise ValueError(f"--fast-path-s must be > 0 and shorter than --planner-interval-s ({interval:g}), got {fast:g}")

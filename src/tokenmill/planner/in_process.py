@@ -18,7 +18,7 @@ import httpx
 from tokenmill.planner.flags import check_planner_flags
 from tokenmill.planner.live import LiveDeployment
 from tokenmill.planner.metrics import PlannerMetrics
-from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
+from tokenmill.planner.setup import hold_from, limits_from, make_forecaster, make_planner
 from tokenmill.sim.fleet.clock import StepClock, parse_profile
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def start(app: Any, args: argparse.Namespace, registry: Any, admin_key: str | No
                            args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3, args.max_num_seqs,
                            args.max_num_batched_tokens, _kv_tokens(args),
                            (args.lookahead_s or 0.0) / args.planner_interval_s, args.forecast_quantile,
-                           args.burst_quantile)
+                           args.burst_quantile, hold=hold_from(args))
     if speedup != 1.0:
         for model in planner.proposer.models.values():
             model.clock = SpedUpClock(model.clock, speedup)  # type: ignore[assignment]

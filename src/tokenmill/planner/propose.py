@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokenmill.planner.flags import MODES
+from tokenmill.planner.hold import LevelHold
 from tokenmill.planner.load_shape import LoadShape
 from tokenmill.planner.observation import SERVING, Observation
 from tokenmill.planner.perf_model import MAX_PREFILL_UTILISATION, Capacity, ReplicaModel, queue_wait
@@ -67,7 +68,7 @@ class Corrections:
 
 class Proposer:
     def __init__(self, models: dict[str, ReplicaModel], disaggregated: bool, mode: str = "sla",
-                 burst_quantile: float | None = None) -> None:
+                 burst_quantile: float | None = None, hold: LevelHold | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"--planner mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.models = models
@@ -75,6 +76,7 @@ class Proposer:
         self.mode = mode
         self.corrections = Corrections()
         self.shape = LoadShape(burst_quantile=burst_quantile)
+        self.hold = hold  # the forecast's number held at the recent level (sla and hybrid); None: as proposed
 
     def targets(self) -> tuple[float, float]:
         """(TTFT, ITL) targets in seconds."""
@@ -91,6 +93,9 @@ class Proposer:
         if self.mode == "load":
             return self.reactive(obs)
         proposal = self.predictive(forecast, obs)
+        if self.hold is not None:
+            proposal.replicas, held = self.hold.apply(proposal.replicas)
+            proposal.reasons += held
         if self.mode == "hybrid":
             reactive = self.reactive(obs)
             for role, n in reactive.replicas.items():

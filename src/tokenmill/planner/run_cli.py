@@ -22,7 +22,7 @@ import httpx
 
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.planner.flags import add_planner_arguments, check_planner_flags
-from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
+from tokenmill.planner.setup import hold_from, limits_from, make_forecaster, make_planner
 from tokenmill.sim.fleet.clock import parse_profile
 
 
@@ -82,7 +82,7 @@ async def _run(args: argparse.Namespace, profiles, limits) -> int:
         planner = make_planner(profiles, "decode" in roles, args.planner_mode, forecaster, limits,
                                args.ttft_ms / 1e3, args.itl_ms / 1e3, args.max_num_seqs, args.max_num_batched_tokens,
                                kv, (args.lookahead_s or 0.0) / args.planner_interval_s, args.forecast_quantile,
-                               args.burst_quantile)
+                               args.burst_quantile, hold=hold_from(args))
         deployment = LiveDeployment(planner, client, args.planner_interval_s, args.warmup_s, connector=connector,
                                     fast_s=args.fast_path_s)
         stop = asyncio.Event()

@@ -10,10 +10,24 @@ from collections.abc import Mapping
 
 from tokenmill.planner.constrain import Constrainer, Limits
 from tokenmill.planner.flags import PREDICTORS
+from tokenmill.planner.hold import LevelHold
 from tokenmill.planner.perf_model import ReplicaModel
 from tokenmill.planner.planner import Forecaster, Planner
 from tokenmill.planner.propose import Proposer
 from tokenmill.sim.fleet.clock import Profile, StepClock
+
+HOLD_STARTUPS = 10  # the hold's default window: a swing of a few start-ups is one it should not chase
+
+
+def hold_from(args: argparse.Namespace, replica_startup_s: float | None = None) -> tuple[float, int] | None:
+    """`LevelHold`'s (quantile, intervals) from --hold-quantile and --hold-window-s; the window
+    defaults to HOLD_STARTUPS replica start-ups where the start-up is known (the simulator), else
+    off (live: the start-up is the deployment's own). None: off."""
+    window_s = args.hold_window_s
+    if window_s is None:
+        window_s = HOLD_STARTUPS * replica_startup_s if replica_startup_s else 0.0
+    intervals = round(window_s / args.planner_interval_s)
+    return (args.hold_quantile, intervals) if intervals >= 1 else None
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -45,11 +59,14 @@ def make_forecaster(name: str, warm_trace: str | None = None, interval_s: float 
 def make_planner(profiles: Mapping[str, Profile], disaggregated: bool, mode: str, forecaster: Forecaster,
                  limits: Limits, ttft_s: float, itl_s: float, max_num_seqs: int, max_num_batched_tokens: int,
                  kv_tokens: Mapping[str, int] | None = None, lookahead_intervals: float = 0.0,
-                 forecast_quantile: float | None = None, burst_quantile: float | None = None) -> Planner:
+                 forecast_quantile: float | None = None, burst_quantile: float | None = None,
+                 hold: tuple[float, int] | None = None) -> Planner:
+    """`hold`: (quantile, intervals) of `LevelHold`, or None to plan on each interval's proposal."""
     roles = ("prefill", "decode") if disaggregated else ("agg",)
     models = {role: ReplicaModel(StepClock(profiles[role]), ttft_s, itl_s, max_num_seqs, max_num_batched_tokens,
                                  (kv_tokens or {}).get(role)) for role in roles}
     watts = max(m.clock.context.gpu.power_w for m in models.values())
     constrainer = Constrainer(limits, {role: m.gpus for role, m in models.items()}, watts)
-    return Planner(forecaster, Proposer(models, disaggregated, mode, burst_quantile), constrainer,
+    proposer = Proposer(models, disaggregated, mode, burst_quantile, LevelHold(*hold) if hold else None)
+    return Planner(forecaster, proposer, constrainer,
                    lookahead_intervals=lookahead_intervals, forecast_quantile=forecast_quantile)

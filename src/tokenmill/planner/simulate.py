@@ -9,7 +9,8 @@ planner resizes it every `--planner-interval-s`. Beside it, two baselines on the
 - static peak: the smallest fixed fleet whose SLA attainment over the whole trace reaches the
   planner's, found by bisection in the simulator, one pool at a time;
 - oracle: the same planner told the true load of the coming intervals (up to one start-up
-  delay ahead) instead of a forecast, and scaling down at once: what knowing the future buys.
+  delay ahead) instead of a forecast, scaling down at once and following each interval (no level
+  hold, `planner/hold.py`): what knowing the future buys.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tokenmill.planner.decision import Decision
 from tokenmill.planner.flags import add_planner_arguments, check_planner_flags
 from tokenmill.planner.observation import Observation
 from tokenmill.planner.planner import Forecaster
-from tokenmill.planner.setup import limits_from, make_forecaster, make_planner
+from tokenmill.planner.setup import hold_from, limits_from, make_forecaster, make_planner
 from tokenmill.planner.simulated import SimulatedDeployment, observe_arrivals
 from tokenmill.sim.fleet.arrivals import TraceRequest
 from tokenmill.sim.fleet.config import FleetConfig
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_fleet_arguments(parser)
     add_planner_arguments(parser)
     parser.add_argument("--no-baselines", action="store_true", help="skip the static-peak and oracle runs")
+    parser.add_argument("--score-from-s", type=float, default=0.0,
+                        help="score every run (planned, oracle, static) on the requests arriving from this second "
+                             "on and the GPU-time after it: the planner's warm-up left out")
     parser.add_argument("--cold-start", dest="provision_start", action="store_false",
                         help="start from --agg/--prefill/--decode as given, not from the fleet the opening load needs")
 
@@ -68,6 +72,8 @@ def initial_config(args: argparse.Namespace) -> FleetConfig:
         raise ValueError("--prefill/--decode: a planned disaggregated fleet starts with both pools")
     if args.change:
         raise ValueError("--change: the planner makes the fleet's changes")
+    if not args.score_from_s >= 0:
+        raise ValueError(f"--score-from-s must be >= 0, got {args.score_from_s:g}")
     check_planner_flags(args)
     return build_config(args)
 
@@ -102,12 +108,13 @@ def run_planned(config: FleetConfig, requests: list[TraceRequest], args: argpars
     planner = make_planner(config.profiles, config.disaggregated, args.planner_mode, forecaster, limits,
                            config.sla.ttft_s, config.sla.itl_s, config.max_num_seqs, config.max_num_batched_tokens,
                            _kv_tokens(config), lookahead_s / args.planner_interval_s,
-                           None if oracle else args.forecast_quantile, args.burst_quantile)
+                           None if oracle else args.forecast_quantile, args.burst_quantile,
+                           hold=None if oracle else hold_from(args, config.replica_startup_s))
     deployment = SimulatedDeployment(planner, args.planner_interval_s, args.warmup_s,
                                      None if oracle else args.fast_path_s)
     sim = FleetSim(config)
     sim.run(requests, controller=deployment.tick, tick_s=deployment.tick_s)
-    return PlannedRun(summarize(sim), deployment.decisions)
+    return PlannedRun(summarize(sim, args.score_from_s), deployment.decisions)
 
 
 def _kv_tokens(config: FleetConfig) -> dict[str, int] | None:
@@ -147,18 +154,19 @@ class OracleForecaster:
 
 
 def static_peak(config: FleetConfig, requests: list[TraceRequest], attainment: float,
-                peak: dict[str, int]) -> tuple[FleetConfig, FleetResult]:
+                peak: dict[str, int], since_s: float = 0.0) -> tuple[FleetConfig, FleetResult]:
     """The smallest fixed fleet reaching `attainment`, one pool at a time: from the planner's peak
     `peak` (doubled until the fleet reaches it), the smallest decode pool with that prefill pool,
     then the smallest prefill pool with that decode pool (aggregated: the one pool). Each pool
-    has its own count, so a small pool beside a large one is not rounded to a multiple of it."""
+    has its own count, so a small pool beside a large one is not rounded to a multiple of it.
+    Scored from `since_s` on, as the planned run is."""
     roles = ("prefill", "decode") if config.disaggregated else ("agg",)
     sizes = {role: max(peak.get(role, 1), 1) for role in roles}
 
     def reaches(candidate: dict[str, int]) -> FleetResult | None:
         sim = FleetSim(dataclasses.replace(config, **candidate, changes=()))
         sim.run(requests)
-        result = summarize(sim)
+        result = summarize(sim, since_s)
         return result if float(result.totals["sla_attainment"]) >= attainment else None  # type: ignore[arg-type]
 
     best = reaches(sizes)
@@ -198,21 +206,28 @@ def peak_fleet(decisions: list[Decision]) -> dict[str, int]:
     return peak
 
 
-def simulate(args: argparse.Namespace) -> dict[str, Any]:
-    """The planned run and (unless --no-baselines) both baselines, as the report's JSON."""
+def plan_over(args: argparse.Namespace) -> tuple[FleetConfig, list[TraceRequest], PlannedRun]:
+    """The run `args` ask for: its starting fleet (sized for the opening load unless --cold-start),
+    its requests, and the planner sizing the fleet over them."""
     from tokenmill.sim.fleet.cli import load_requests
 
     config = initial_config(args)
     requests = load_requests(args)
     if args.provision_start:
         config = provisioned_start(config, requests, args)
-    planned = run_planned(config, requests, args)
+    return config, requests, run_planned(config, requests, args)
+
+
+def simulate(args: argparse.Namespace) -> dict[str, Any]:
+    """The planned run and (unless --no-baselines) both baselines, as the report's JSON."""
+    config, requests, planned = plan_over(args)
     report: dict[str, Any] = {"schema": SCHEMA, "mode": args.planner_mode, "predictor": args.predictor,
                               "planned": summary(planned), "decisions": [d.to_json() for d in planned.decisions]}
     if not args.no_baselines:
         oracle = run_planned(config, requests, args, OracleForecaster(requests, args.planner_interval_s,
                                                                       config.replica_startup_s), oracle=True)
-        static_config, static = static_peak(config, requests, planned.attainment, peak_fleet(planned.decisions))
+        static_config, static = static_peak(config, requests, planned.attainment, peak_fleet(planned.decisions),
+                                            args.score_from_s)
         report["oracle"] = summary(oracle)
         report["static_peak"] = {**_totals(static), "fleet": {r: getattr(static_config, r)
                                                               for r in ("agg", "prefill", "decode")}}

@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="disaggregated: prefills in flight per prefill replica before decoders prefill locally")
     parser.add_argument("--local-prefill-limit", type=int, default=1,
                         help="disaggregated: ... while a decode replica prefills fewer than this many itself")
+    parser.add_argument("--score-from-s", type=float, default=0.0,
+                        help="score each run on the requests arriving from this second on (the warm-up left out)")
     parser.add_argument("--modes", default="sla,load,hybrid")
     parser.add_argument("--predictors", default="constant,moving_average,arima,kalman")
     parser.add_argument("--json", dest="json_out", type=Path, default=None)
@@ -65,6 +67,8 @@ def _args_for(deployment: str, trace: str, args: argparse.Namespace, mode: str, 
         flags += ["--agg", "1", "--layout", layout]
     if args.max_requests:
         flags += ["--max-requests", str(args.max_requests)]
+    if args.score_from_s:
+        flags += ["--score-from-s", str(args.score_from_s)]
     parser = argparse.ArgumentParser()
     simulate_arguments(parser)
     return parser.parse_args(flags)

@@ -129,7 +129,8 @@ def _simulated(args: argparse.Namespace, trace: Path) -> dict[str, Any]:
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--kv-blocks", str(args.kv_cache_blocks),
         "--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.itl_ms), "--predictor", "constant",
         "--planner-interval-s", str(args.planner_interval_s), "--scale-down-intervals", str(args.scale_down_intervals),
-        "--warmup-s", str(2 * args.planner_interval_s), "--replica-startup-s", "2", "--no-baselines"])
+        "--warmup-s", str(2 * args.planner_interval_s), "--replica-startup-s", "2", "--no-baselines",
+        "--hold-window-s", "0"])  # as live, where the hold is off unless asked for
     planned = simulate(sim_args)["planned"]
     return {"sla_attainment": planned["sla_attainment"], "worker_hours": planned["gpu_hours"] / profile.gpus,
             "peak_workers": planned["peak_replicas"], "changes": planned["decisions_with_changes"]}

@@ -55,9 +55,11 @@ def describe_deployment(config: FleetConfig) -> dict[str, object]:
             "disagg_threshold_tokens": config.disagg.threshold_tokens, "seed": config.seed}
 
 
-def summarize(sim: FleetSim) -> FleetResult:
+def summarize(sim: FleetSim, since_s: float = 0.0) -> FleetResult:
+    """The run's totals; from `since_s` on, only the requests arriving then or later and the
+    GPU-time after it count (a planner's warm-up left out of the score)."""
     config = sim.config
-    records = sorted(sim.records.values(), key=lambda r: (r.arrival_s, r.request_id))
+    records = sorted((r for r in sim.records.values() if r.arrival_s >= since_s), key=lambda r: (r.arrival_s, r.request_id))
     served = [r for r in records if r.finished]
     start = min((r.arrival_s for r in records), default=0.0)
     end = max((r.last_token_s or r.arrival_s for r in records), default=start)
@@ -84,15 +86,15 @@ def summarize(sim: FleetSim) -> FleetResult:
         "preemptions": sum(r.preemptions for r in records),
         "disagg_decisions": dict(sorted((f"{d}/{why}", n) for (d, why), n in sim.policy.counts.items())),
     }
-    totals.update(_cost_and_energy(sim, max(sim.now, end), output_tokens))
+    totals.update(_cost_and_energy(sim, max(sim.now, end), output_tokens, since_s))
     return FleetResult(config, records, totals, [i.to_json() for i in sim.intervals],
                        [c.to_json() for c in sim.change_log])
 
 
-def _cost_and_energy(sim: FleetSim, end_s: float, output_tokens: int) -> dict[str, object]:
+def _cost_and_energy(sim: FleetSim, end_s: float, output_tokens: int, since_s: float = 0.0) -> dict[str, object]:
     gpu_seconds = joules = 0.0
     for replica in sim.replicas.values():
-        life = max((replica.gone_s if replica.gone_s is not None else end_s) - replica.created_s, 0.0)
+        life = max((replica.gone_s if replica.gone_s is not None else end_s) - max(replica.created_s, since_s), 0.0)
         power = replica.clock.context.gpu.power_w * replica.gpus
         busy = min(replica.busy_s, life)
         gpu_seconds += life * replica.gpus
