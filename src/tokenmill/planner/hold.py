@@ -13,8 +13,9 @@ sized for the level the last `window` proposals asked for, their empirical quant
 
 so a swing that lasts less than (1 − quantile) of the window moves nothing, and a level that lasts
 longer moves the pool there: a rise after n − k + 1 intervals, a fall after k. On a
-smooth load the proposals barely differ and the held level is the proposal. A pool whose first
-tokens are late now still grows at once through the fast path, which this rule does not touch.
+smooth load the proposals barely differ and the held level is the proposal. The price is a
+lasting step up, which waits n − k + 1 intervals on this path; with `--fast-path-s` a pool whose
+first tokens are late grows at once between intervals (the fast path is not held).
 """
 from __future__ import annotations
 
