@@ -80,20 +80,20 @@ def test_every_shape_threshold_and_mode_asked_for_is_a_candidate() -> None:
 
 
 def test_burstiness_of_an_on_off_load() -> None:
-    # 30 s intervals: 10 arrivals, none, 50 arrivals (mean 20)
-    arrivals = [i * 3.0 for i in range(10)] + [60.0 + i * 0.5 for i in range(50)]
+    # 30 s intervals: 10 arrivals, none, 50 arrivals (mean 20); the one at 90 s opens a partial interval
+    arrivals = [i * 3.0 for i in range(10)] + [60.0 + i * 0.5 for i in range(50)] + [90.0]
     b = Burstiness.of(arrivals, 30.0)
     assert b.peak_to_mean == pytest.approx(2.5) and b.idle_share == pytest.approx(1 / 3)
     assert b.cv == pytest.approx(((100 + 400 + 900) / 3) ** 0.5 / 20)
     assert "33% are empty" in b.describe()
-    assert Burstiness.of([], 30.0).idle_share == 1.0
+    assert Burstiness.of([0.0, 45.0], 30.0).idle_share == 0.0
 
 
 @pytest.mark.parametrize("flags, named", [
     (["--shapes", "agg,pd"], "--shapes"), (["--modes", "fast"], "--modes"), (["--thresholds", "a"], "--thresholds"),
     (["--shapes", "disagg", "--thresholds", ""], "--thresholds"), (["--attainment", "0"], "--attainment"),
     (["--attainment", "1.5"], "--attainment"), (["--jobs", "0"], "--jobs"), (["--layout", "tp3x"], "--layout"),
-    (["--plot", "out.png"], "--plot"),
+    (["--plot", "out.png"], "--plot"), (["--agg", "2"], "--agg"), (["--json", "/dev/null/x.json"], "--json"),
 ])
 def test_bad_flags_exit_2_naming_the_flag(flags: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert choose_cmd(_args(*flags)) == 2

@@ -86,3 +86,8 @@ def test_an_on_off_load_keeps_its_pool_through_the_lulls() -> None:
     assert dips(unheld) >= 2  # the check can fail: without the hold the pool does shrink in the lulls
     assert dips(held) == 0, held
     assert min(n for t, n in held if t >= settled) >= max(n for t, n in unheld if t >= settled) - 1
+
+
+def test_a_window_shorter_than_an_interval_is_refused_not_dropped() -> None:
+    with pytest.raises(ValueError, match="--hold-window-s 10 is shorter than one --planner-interval-s"):
+        hold_from(_parser_args("--hold-window-s", "10"))

@@ -120,6 +120,8 @@ def test_planner_simulate_refuses_bad_flags(capsys) -> None:
     capsys.readouterr()
     assert main([*base, "--score-from-s", "-1"]) == 2
     assert "--score-from-s" in capsys.readouterr().out
+    assert main([*base, "--duration-s", "60", "--score-from-s", "600"]) == 2
+    assert "--score-from-s 600: no request arrives that late" in capsys.readouterr().out
 
 
 def test_a_run_scored_from_a_second_counts_the_requests_and_gpu_time_after_it() -> None:

@@ -62,8 +62,9 @@ class CandidateRun:
 
 @dataclass(slots=True, frozen=True)
 class Burstiness:
-    """How the load's arrivals spread over `interval_s` intervals: the coefficient of variation of
-    the per-interval counts, the busiest interval over the mean one, and the share of empty ones."""
+    """How the load's arrivals spread over `interval_s` intervals (the full ones from t = 0, as the
+    backtest buckets them): the coefficient of variation of the per-interval counts, the busiest
+    interval over the mean one, and the share of empty ones."""
     interval_s: float
     cv: float
     peak_to_mean: float
@@ -71,10 +72,13 @@ class Burstiness:
 
     @classmethod
     def of(cls, arrivals_s: Sequence[float], interval_s: float) -> Burstiness:
-        if not len(arrivals_s):
-            return cls(interval_s, 0.0, 0.0, 1.0)
-        counts = np.bincount(np.floor(np.asarray(arrivals_s) / interval_s).astype(np.int64))
+        from tokenmill.planner.backtest import bucket_arrivals
+
+        zeros = [0] * len(arrivals_s)
+        counts = np.asarray(bucket_arrivals(arrivals_s, zeros, zeros, interval_s).requests)
         mean = float(counts.mean())
+        if mean == 0:
+            return cls(interval_s, 0.0, 0.0, 1.0)
         return cls(interval_s, float(counts.std() / mean), float(counts.max() / mean), float(np.mean(counts == 0)))
 
     def describe(self) -> str:
@@ -111,6 +115,9 @@ def candidates_from(args: argparse.Namespace) -> list[Candidate]:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     if args.plot is not None:
         raise ValueError("--plot: planner choose draws no plot (planner simulate does, for one candidate)")
+    for role in ("agg", "prefill", "decode"):
+        if getattr(args, role):
+            raise ValueError(f"--{role}: planner choose sizes each shape itself (the shapes come from --shapes)")
     shapes = _members(args.shapes, SHAPES, "--shapes")
     modes = _members(args.modes, MODES, "--modes")
     thresholds: list[int | None] = []
@@ -199,9 +206,10 @@ def run_all(candidates: Sequence[Candidate], args: argparse.Namespace) -> list[C
 def report(args: argparse.Namespace) -> dict[str, Any]:
     """Every candidate's run, the choice and the load's burstiness, as the command's JSON."""
     from tokenmill.planner.simulate import initial_config
-    from tokenmill.sim.fleet.cli import load_requests
+    from tokenmill.sim.fleet.cli import check_outputs, load_requests
 
     candidates = candidates_from(args)
+    check_outputs(args)  # a --json that cannot be written is refused before the runs, not after
     for candidate in {c.shape: c for c in candidates}.values():  # each shape's flags, before any run
         initial_config(candidate_args(candidate, args))
     requests = load_requests(args)

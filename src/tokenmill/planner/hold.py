@@ -42,7 +42,7 @@ class LevelHold:
             recent = self.proposals.setdefault(role, deque(maxlen=self.window))
             recent.append(n)
             ordered = sorted(recent)
-            held[role] = ordered[math.ceil(self.quantile * len(ordered)) - 1]
+            held[role] = ordered[max(math.ceil(self.quantile * len(ordered) - 1e-9), 1) - 1]
             if held[role] != n:
                 reasons.append(f"{role}: {held[role]}, the {self.quantile:.0%} quantile of the last {len(ordered)} "
                                f"intervals' proposals ({ordered[0]}-{ordered[-1]}), not this one's {n}: a swing "

@@ -94,8 +94,11 @@ class Proposer:
             return self.reactive(obs)
         proposal = self.predictive(forecast, obs)
         if self.hold is not None:
+            unheld = proposal.replicas[self.roles[0]]
             proposal.replicas, held = self.hold.apply(proposal.replicas)
             proposal.reasons += held
+            if proposal.replicas[self.roles[0]] != unheld:  # the model's TTFT was for the unheld count
+                proposal.expected_ttft_s = None
         if self.mode == "hybrid":
             reactive = self.reactive(obs)
             for role, n in reactive.replicas.items():

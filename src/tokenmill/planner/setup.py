@@ -26,8 +26,13 @@ def hold_from(args: argparse.Namespace, replica_startup_s: float | None = None) 
     window_s = args.hold_window_s
     if window_s is None:
         window_s = HOLD_STARTUPS * replica_startup_s if replica_startup_s else 0.0
+    if window_s <= 0:
+        return None
     intervals = round(window_s / args.planner_interval_s)
-    return (args.hold_quantile, intervals) if intervals >= 1 else None
+    if intervals < 1:
+        raise ValueError(f"--hold-window-s {window_s:g} is shorter than one --planner-interval-s "
+                         f"({args.planner_interval_s:g}); 0 turns the hold off")
+    return args.hold_quantile, intervals
 
 
 def limits_from(args: argparse.Namespace) -> Limits:

@@ -6,8 +6,9 @@
 The fleet starts sized for the trace's opening load, as one already running when the trace
 begins would be (`--cold-start`: as given by `--agg N` or `--prefill P --decode D`), and the
 planner resizes it every `--planner-interval-s`. Beside it, two baselines on the same trace:
-- static peak: the smallest fixed fleet whose SLA attainment over the whole trace reaches the
-  planner's, found by bisection in the simulator, one pool at a time;
+- static peak: the smallest fixed fleet whose SLA attainment over the trace (from --score-from-s
+  on, as every run here is scored) reaches the planner's, found by bisection in the simulator,
+  one pool at a time;
 - oracle: the same planner told the true load of the coming intervals (up to one start-up
   delay ahead) instead of a forecast, scaling down at once and following each interval (no level
   hold, `planner/hold.py`): what knowing the future buys.
@@ -213,6 +214,8 @@ def plan_over(args: argparse.Namespace) -> tuple[FleetConfig, list[TraceRequest]
 
     config = initial_config(args)
     requests = load_requests(args)
+    if args.score_from_s and not any(r.arrival_s >= args.score_from_s for r in requests):
+        raise ValueError(f"--score-from-s {args.score_from_s:g}: no request arrives that late")
     if args.provision_start:
         config = provisioned_start(config, requests, args)
     return config, requests, run_planned(config, requests, args)

@@ -129,7 +129,7 @@ def load_requests(args: argparse.Namespace) -> list[TraceRequest]:
 
 def fleet_cmd(args: argparse.Namespace) -> int:
     config = build_config(args)
-    _check_outputs(args)
+    check_outputs(args)
     requests = load_requests(args)
     result = _run_with_progress(config, requests)
     try:
@@ -145,7 +145,7 @@ def fleet_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
+def check_outputs(args: argparse.Namespace) -> None:
     """Refuse an output path that cannot be written before spending the run on it."""
     for flag, path in (("--json", args.json_out), ("--plot", args.plot)):
         if path is None:

@@ -57,7 +57,8 @@ def describe_deployment(config: FleetConfig) -> dict[str, object]:
 
 def summarize(sim: FleetSim, since_s: float = 0.0) -> FleetResult:
     """The run's totals; from `since_s` on, only the requests arriving then or later and the
-    GPU-time after it count (a planner's warm-up left out of the score)."""
+    GPU-time after it (GPU-hours, cost) count, so a planner's warm-up is left out of the score.
+    Energy, peak GPUs, the disaggregation decisions and the intervals stay the whole run's."""
     config = sim.config
     records = sorted((r for r in sim.records.values() if r.arrival_s >= since_s), key=lambda r: (r.arrival_s, r.request_id))
     served = [r for r in records if r.finished]
