@@ -18,7 +18,7 @@ from tokenmill.engine.request import Request
 from tokenmill.engine.runner_protocol import KVAllocator, ModelRunner, Sampled
 from tokenmill.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.speculative import Drafter
-from tokenmill.engine.stats import EngineStats
+from tokenmill.engine.stats import EngineStats, request_blocks
 from tokenmill.kv.block_pool import BlockPool
 from tokenmill.kv.cache_manager import KVCacheManager
 from tokenmill.kv.events import KVEventEmitter
@@ -371,21 +371,12 @@ class LLMEngine:
                     done[out.request_id].extend(out.new_token_ids)
         return [done[rid] for rid in ids]
 
-    def _active_blocks(self) -> dict[str, tuple[int, int]]:
-        """What the router charges, per request: (prefill, decode) blocks it holds beyond its
-        prefix-cache hits — prefill before its first token, decode after."""
-        bs, blocks = self.config.block_size, {}
-        for request in (r for s in self.schedulers for r in (*s.running, *s.waiting)):
-            held = -(-request.num_tokens // bs) - request.num_cached_tokens // bs
-            blocks[request.request_id] = (0, held) if request.output_token_ids else (held, 0)
-        return blocks
-
     def stats(self) -> EngineStats:
         """A consistent view only on the engine's own thread (AsyncLLMEngine.stats)."""
         c, s = self._counters, self._seconds
-        request_blocks = self._active_blocks()
-        prefill_blocks = sum(p for p, _ in request_blocks.values())
-        decode_blocks = sum(d for _, d in request_blocks.values())
+        held = request_blocks((r for s in self.schedulers for r in (*s.running, *s.waiting)), self.config.block_size)
+        prefill_blocks = sum(p for p, _ in held.values())
+        decode_blocks = sum(d for _, d in held.values())
         free, total = sum(p.num_free_blocks for p in self.pools), sum(p.num_blocks for p in self.pools)
         queried = sum(kv.stats.queried_tokens for kv in self.kvs)
         hits = sum(kv.stats.hit_tokens for kv in self.kvs)
@@ -397,7 +388,7 @@ class LLMEngine:
             num_steps=c["steps"], prefill_tokens=c["prefill"], decode_tokens=c["decode"],
             prefill_step_seconds=s["prefill"], decode_step_seconds=s["decode"],
             num_decode_only_steps=c["decode_steps"], num_preemptions=c["preemptions"],
-            prefill_blocks=prefill_blocks, decode_blocks=decode_blocks, request_blocks=request_blocks,
+            prefill_blocks=prefill_blocks, decode_blocks=decode_blocks, request_blocks=held,
             onboarded_tokens=self.kv.stats.onboarded_tokens, queried_tokens=queried, device_hit_tokens=hits,
             num_held=len(self.handoff.held), num_importing=len(self.handoff.importing),
             spec_draft_tokens=self.drafter.drafted, spec_accepted_tokens=self.drafter.accepted,

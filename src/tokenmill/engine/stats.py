@@ -2,8 +2,22 @@
 both fill, read by the worker (its load report and heartbeats) and the embedded backend (metrics)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.engine.request import Request
+
+
+def request_blocks(requests: Iterable[Request], block_size: int) -> dict[str, tuple[int, int]]:
+    """What the router charges, per request: (prefill, decode) blocks it holds beyond its
+    prefix-cache hits — prefill before its first token, decode after."""
+    blocks = {}
+    for request in requests:
+        held = -(-request.num_tokens // block_size) - request.num_cached_tokens // block_size
+        blocks[request.request_id] = (0, held) if request.output_token_ids else (held, 0)
+    return blocks
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """Per-worker load as the router sees it: active prefill blocks and active decode blocks.
 
 The router keeps its own books on the requests it routes, charged the moment it routes
-them, in the same terms a worker measures itself (`LLMEngine._active_blocks`):
+them, in the same terms a worker measures itself (`engine.stats.request_blocks`):
 
 - routed (`on_routed`): the request's prefill charge — the prompt blocks the router expects
   it to compute — until its first token;
