@@ -89,5 +89,5 @@ def test_an_on_off_load_keeps_its_pool_through_the_lulls() -> None:
 
 
 def test_a_window_shorter_than_an_interval_is_refused_not_dropped() -> None:
-    with pytest.raises(ValueError, match="--hold-window-s 10 is shorter than one --planner-interval-s"):
-        hold_from(_parser_args("--hold-window-s", "10"))
+    with pytest.raises(ValueError, match=r"--hold-window-s must be 0 \(off\) or span at least one"):
+        check_planner_flags(_parser_args("--hold-window-s", "10"))

@@ -49,14 +49,16 @@ def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | N
 
 
 def check_planner_flags(args: argparse.Namespace) -> None:
-    """ValueError naming the flag: the quantiles in (0, 1); the hold's window >= 0; the fast path
-    off or within an interval."""
+    """ValueError naming the flag: the quantiles in (0, 1); the hold's window off or at least an
+    interval; the fast path off or within an interval."""
     check_quantile(args.forecast_quantile, "--forecast-quantile")
     check_quantile(args.burst_quantile, "--burst-quantile")
     check_quantile(args.hold_quantile, "--hold-quantile")
-    if args.hold_window_s is not None and args.hold_window_s < 0:
-        raise ValueError(f"--hold-window-s must be >= 0, got {args.hold_window_s:g}")
     fast, interval = args.fast_path_s, args.planner_interval_s
+    window = args.hold_window_s
+    if window is not None and (window < 0 or 0 < window and round(window / interval) < 1):
+        raise ValueError(f"--hold-window-s must be 0 (off) or span at least one --planner-interval-s "
+                         f"({interval:g}), got {window:g}")
     if fast is not None and not 0 < fast < interval:
         raise ValueError(f"--fast-path-s must be > 0 and shorter than --planner-interval-s ({interval:g}), got {fast:g}")
 

@@ -22,17 +22,13 @@ HOLD_STARTUPS = 10  # the hold's default window: a swing of a few start-ups is o
 def hold_from(args: argparse.Namespace, replica_startup_s: float | None = None) -> tuple[float, int] | None:
     """`LevelHold`'s (quantile, intervals) from --hold-quantile and --hold-window-s; the window
     defaults to HOLD_STARTUPS replica start-ups where the start-up is known (the simulator), else
-    off (live: the start-up is the deployment's own). None: off."""
+    off (live: the start-up is the deployment's own). None: off. The flags are checked beforehand
+    (`check_planner_flags`)."""
     window_s = args.hold_window_s
     if window_s is None:
         window_s = HOLD_STARTUPS * replica_startup_s if replica_startup_s else 0.0
-    if window_s <= 0:
-        return None
     intervals = round(window_s / args.planner_interval_s)
-    if intervals < 1:
-        raise ValueError(f"--hold-window-s {window_s:g} is shorter than one --planner-interval-s "
-                         f"({args.planner_interval_s:g}); 0 turns the hold off")
-    return args.hold_quantile, intervals
+    return (args.hold_quantile, intervals) if intervals >= 1 else None
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
