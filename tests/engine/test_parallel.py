@@ -13,18 +13,24 @@ from transformers import AutoModelForCausalLM
 
 from tests.engine.helpers import GREEDY, make_engine, prompt_logits, prompts
 from tokenmill.engine.parallel.ranks import ParallelRunner
+from tokenmill.engine.speculative import SpeculativeConfig
 from tokenmill.textgen.sampling import SamplingParams
 
-LAYOUTS = [("tiny-dense", 2, 1, 1), ("tiny-llama", 2, 1, 1), ("tiny-moe", 2, 1, 1), ("tiny-moe", 1, 2, 1),
-           ("tiny-moe", 2, 2, 1), ("tiny-moe", 1, 2, 2)]
+# the last two also speculate: a parallel target verifies drafts as one process does
+LAYOUTS = [("tiny-dense", 2, 1, 1, None), ("tiny-llama", 2, 1, 1, None), ("tiny-moe", 2, 1, 1, None),
+           ("tiny-moe", 1, 2, 1, None), ("tiny-moe", 2, 2, 1, "ngram"), ("tiny-moe", 1, 2, 2, "draft")]
 
 
-@pytest.mark.parametrize(("preset", "tp", "ep", "dp"), LAYOUTS,
-                         ids=[f"{p}-tp{t}-ep{e}" + (f"-dp{d}" if d > 1 else "") for p, t, e, d in LAYOUTS])
+@pytest.mark.parametrize(("preset", "tp", "ep", "dp", "drafts"), LAYOUTS,
+                         ids=[f"{p}-tp{t}-ep{e}" + (f"-dp{d}" if d > 1 else "") + (f"-{s}" if s else "")
+                              for p, t, e, d, s in LAYOUTS])
 def test_parallel_logits_and_outputs_match_one_process_and_transformers(model_dirs: dict[str, Path], preset: str,
-                                                                        tp: int, ep: int, dp: int) -> None:
+                                                                        tp: int, ep: int, dp: int,
+                                                                        drafts: str | None) -> None:
     single = make_engine(model_dirs[preset])
-    parallel = make_engine(model_dirs[preset], tp=tp, ep=ep, attention_dp=dp)
+    spec = None if drafts is None else SpeculativeConfig.parse(
+        "ngram" if drafts == "ngram" else f"draft:{model_dirs[preset]}", 4)
+    parallel = make_engine(model_dirs[preset], tp=tp, ep=ep, attention_dp=dp, speculative=spec)
     try:
         assert isinstance(parallel.runner, ParallelRunner)
         hf = AutoModelForCausalLM.from_pretrained(model_dirs[preset], dtype=torch.float32).eval()
@@ -37,6 +43,7 @@ def test_parallel_logits_and_outputs_match_one_process_and_transformers(model_di
         # mixed lengths batched together, decoding 64 tokens each, chunked prefill included
         batch = prompts(single, 4, seed=6)
         assert parallel.generate(batch, GREEDY) == single.generate(batch, GREEDY)
+        assert spec is None or parallel.stats().spec_accepted_tokens > 0
         procs = parallel.runner.ranks.procs
     finally:
         parallel.close()

@@ -1,10 +1,13 @@
-"""Speculative decoding (prompt-lookup drafts, verified in one forward pass) never changes what a
-request generates: greedy and seeded outputs are identical with and without it, the token
-distribution at temperature 1 is the target's, and the blocks of rejected drafts go back."""
+"""Speculative decoding (prompt-lookup or draft-model drafts, verified in one forward pass) never
+changes what a request generates: greedy and seeded outputs are identical with and without it, the
+token distribution at temperature 1 is the target's, and the blocks of rejected drafts go back."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +19,16 @@ from scipy.stats import chisquare
 from tests.disagg.test_engine_handoff import copy_blocks, decode, prefill
 from tests.engine.helpers import GREEDY, make_engine, prompt_logits, prompts
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.draft_model import DraftModel
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.speculative import SpeculativeConfig, next_draft_limit, num_accepted, propose_ngram
+from tokenmill.engine.make_model import write_model
+from tokenmill.engine.speculative import (
+    SpeculativeConfig,
+    check_draft_model,
+    next_draft_limit,
+    num_accepted,
+    propose_ngram,
+)
 from tokenmill.textgen.sampling import SamplingParams
 
 NGRAM = SpeculativeConfig("ngram", 4)
@@ -31,6 +42,13 @@ def _repetitive(engine: LLMEngine, count: int, seed: int) -> list[list[int]]:
 def _assert_idle(engine: LLMEngine) -> None:
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
     assert engine.kv.num_live_requests() == 0 and not engine.requests
+    draft = engine.drafter.draft_model
+    if draft is not None:  # a draft model's pool: every request's blocks back
+        assert draft.num_free_blocks == draft.num_blocks and not draft.states
+
+
+def _draft(model: Path, k: int = 4) -> SpeculativeConfig:
+    return SpeculativeConfig.parse(f"draft:{model}", k)
 
 
 def _drafted(engine: LLMEngine) -> tuple[int, int]:
@@ -68,18 +86,40 @@ def test_a_request_drafts_one_more_than_it_last_had_accepted() -> None:
 
 @pytest.mark.parametrize(("method", "k", "message"), [
     ("medusa", None, "--speculative must be one of ngram"),
-    ("draft:/models/x", None, "draft models are not supported yet"),
+    ("draft:/nonexistent/x", None, "'/nonexistent/x' is not a model directory (no config.json)"),
+    ("draft:", None, "'' is not a model directory"),
     ("ngram", 0, "--num-speculative-tokens must be in [1, 16]"),
     ("ngram", 17, "--num-speculative-tokens must be in [1, 16]"),
-    (None, 3, "--num-speculative-tokens needs --speculative ngram"),
+    (None, 3, "--num-speculative-tokens needs --speculative (ngram or draft:DIR)"),
 ])
 def test_bad_flags_name_themselves(method: str | None, k: int | None, message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         SpeculativeConfig.parse(method, k)
+
+
+def test_a_draft_model_must_share_the_tokenizer(tiny_dense: Path, tmp_path: Path) -> None:
+    check_draft_model(str(tiny_dense), str(tiny_dense))
+    config = json.loads((tiny_dense / "config.json").read_text())
+    wider = tmp_path / "wider"
+    wider.mkdir()
+    (wider / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 8}))
+    with pytest.raises(ValueError, match="draft's vocabulary has 2056 tokens, the model's 2048"):
+        check_draft_model(str(tiny_dense), str(wider))
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    shutil.copy(tiny_dense / "config.json", renamed)
+    tokenizer = json.loads((tiny_dense / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[10:12]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (renamed / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="maps tokens to other ids"):
+        EngineConfig(model=str(tiny_dense), speculative=_draft(renamed))
 
 
 def test_serve_exits_2_naming_the_flag(tiny_dense: Path) -> None:
     for flags, message in ((["--speculative", "medusa"], "--speculative must be one of ngram"),
+                           (["--speculative", "draft:nowhere"], "--speculative draft:DIR: 'nowhere' is not"),
                            (["--speculative", "ngram", "--runner", "mock"], "--speculative needs --runner torch")):
         done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(tiny_dense),
                                "--port", "0", *flags], capture_output=True, text=True, timeout=60)
@@ -87,11 +127,9 @@ def test_serve_exits_2_naming_the_flag(tiny_dense: Path) -> None:
         assert done.returncode == 2 and len(lines) == 1 and message in lines[0], done.stderr
 
 
-def test_the_mock_and_parallel_runners_refuse_it(tiny_dense: Path) -> None:
+def test_the_mock_runner_refuses_it(tiny_dense: Path) -> None:
     with pytest.raises(ValueError, match="--speculative needs --runner torch"):
         EngineConfig(model=str(tiny_dense), runner="mock", speculative=NGRAM)
-    with pytest.raises(ValueError, match="--tp, --ep and --attention-dp 1"):
-        EngineConfig(model=str(tiny_dense), tp=2, speculative=NGRAM)
 
 
 # -- the engine --------------------------------------------------------------------------------
@@ -157,8 +195,51 @@ def test_prefix_cache_chunked_prefill_and_preemption(tiny_moe: Path) -> None:
     tight = make_engine(tiny_moe, speculative=NGRAM, num_kv_blocks=30)
     assert tight.generate(batch, GREEDY) == expected
     assert tight.stats().num_preemptions > 0 and _drafted(tight)[1] > 0
-    for engine in (warm, chunked, tight):
+    drafted = make_engine(tiny_moe, speculative=_draft(tiny_moe), num_kv_blocks=30)  # a MoE draft model
+    assert drafted.generate(batch, GREEDY) == expected
+    assert drafted.stats().num_preemptions > 0 and 0 < _drafted(drafted)[1] == _drafted(drafted)[0]
+    for engine in (warm, chunked, tight, drafted):
         _assert_idle(engine)
+
+
+def test_a_draft_model_changes_no_output(tiny_dense: Path, tmp_path: Path) -> None:
+    """The target itself as its draft (greedy drafts all accepted, sampled ones in part) and a
+    model of other weights (hardly any accepted) leave greedy, seeded and penalised outputs as
+    they were, also when the draft's catch-up on a prompt is chunked and under preemption."""
+    plain = make_engine(tiny_dense)
+    batch = _repetitive(plain, 8, seed=3)
+    expected = plain.generate(batch, GREEDY)
+    itself = make_engine(tiny_dense, speculative=_draft(tiny_dense))
+    assert itself.generate(batch, GREEDY) == expected
+    drafted, accepted = _drafted(itself)
+    assert drafted == accepted > 0 and itself.stats().num_steps * 2 < plain.stats().num_steps
+    sampled = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True,
+                             frequency_penalty=0.5, logprobs=2)
+    assert itself.generate(batch, sampled) == plain.generate(batch, sampled)
+    assert 0 < _drafted(itself)[1] - accepted < _drafted(itself)[0] - drafted
+    other = write_model("tiny-dense", tmp_path / "other", seed=1)
+    engines = [itself, make_engine(tiny_dense, speculative=_draft(other)),
+               make_engine(tiny_dense, speculative=_draft(tiny_dense), max_num_batched_tokens=16),
+               make_engine(tiny_dense, speculative=_draft(tiny_dense), num_kv_blocks=30)]
+    for engine in engines[1:]:
+        assert engine.generate(batch, GREEDY) == expected
+    assert engines[3].stats().num_preemptions > 0
+    for engine in engines:
+        _assert_idle(engine)
+
+
+def test_a_draft_pool_that_cannot_hold_a_request_drafts_nothing_for_it(tiny_dense: Path) -> None:
+    engine = make_engine(tiny_dense)
+    draft = DraftModel.load(str(tiny_dense), torch.float32, 4, 16, 256, 256)
+    short, long = _repetitive(engine, 2, seed=8)
+    engine.add_request("short", short[:40], GREEDY)
+    engine.add_request("long", long + long, GREEDY)
+    requests = [engine.requests["short"], engine.requests["long"]]
+    drafts = draft.propose([(r, 4) for r in requests])
+    assert list(drafts) == ["short"] and len(drafts["short"]) == 4  # 40 + 3 fed tokens: 3 blocks of 16
+    assert draft.num_free_blocks == 1
+    draft.retain({"long"})
+    assert draft.num_free_blocks == 4 and list(draft.states) == ["long"]
 
 
 def test_rejected_drafts_give_their_blocks_back(tiny_dense: Path) -> None:
@@ -177,15 +258,17 @@ def test_rejected_drafts_give_their_blocks_back(tiny_dense: Path) -> None:
     _assert_idle(spec)
 
 
-def test_a_migrated_continuation_and_an_imported_one_decode_the_same(tiny_dense: Path) -> None:
+@pytest.mark.parametrize("drafts", ["ngram", "draft"])
+def test_a_migrated_continuation_and_an_imported_one_decode_the_same(tiny_dense: Path, drafts: str) -> None:
     plain = make_engine(tiny_dense)
     prompt = _repetitive(plain, 1, seed=14)[0]
     params = dataclasses.replace(GREEDY, max_tokens=40)
     whole = plain.generate([prompt], params)[0]
-    moved = make_engine(tiny_dense, speculative=NGRAM)
+    spec = NGRAM if drafts == "ngram" else _draft(tiny_dense)
+    moved = make_engine(tiny_dense, speculative=spec)
     moved.add_request("m", prompt + whole[:15], dataclasses.replace(params, max_tokens=25), output_offset=15)
     assert decode(moved, "m") == whole[15:]
-    pre, dec = make_engine(tiny_dense, num_kv_blocks=96), make_engine(tiny_dense, speculative=NGRAM)
+    pre, dec = make_engine(tiny_dense, num_kv_blocks=96), make_engine(tiny_dense, speculative=spec)
     first = prefill(pre, "d", prompt, params)
     plan = dec.begin_import("d", prompt + first.new_token_ids, dataclasses.replace(params, max_tokens=39),
                             output_offset=1)

@@ -36,7 +36,7 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
     ("choices", "tokenmill.bench.engine.choices_bench",
      "n=4 choices in one request vs 4 separate requests of the same prompt: output tok/s, prompt tokens computed"),
     ("speculative", "tokenmill.bench.engine.speculative_bench",
-     "n-gram speculative decoding vs plain decoding on code edits (SmolLM2): output tok/s, acceptance"),
+     "speculative decoding (n-gram or a draft model) vs plain decoding on code edits (SmolLM2): output tok/s, acceptance"),
     ("structured", "tokenmill.bench.engine.structured_bench",
      "json_schema decoding vs plain on small-moe: ms per output token, the grammar's overhead per token"),
     ("planner", "tokenmill.bench.fleet.planner_bench",

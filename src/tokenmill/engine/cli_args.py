@@ -49,10 +49,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
                    help="where the torch runner computes: cpu (the native kernels), cuda (PyTorch's ops on the "
                         "GPU), auto (cuda when torch sees one)")
-    g.add_argument("--speculative", default=None, metavar="ngram",
+    g.add_argument("--speculative", default=None, metavar="ngram|draft:DIR",
                    help="speculative decoding: 'ngram' drafts the tokens that followed the latest earlier "
-                        "occurrence of the sequence's last 1-3 tokens (prompt lookup; no extra model), and "
-                        "each decode step verifies them in one forward pass (torch runner)")
+                        "occurrence of the sequence's last 1-3 tokens (prompt lookup; no extra model); "
+                        "'draft:DIR' drafts greedily with the small model in DIR (the same tokenizer). Each "
+                        "decode step verifies the drafts in one forward pass (torch runner)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="drafts per request per step with --speculative (default 4)")
     add_tier_arguments(parser)

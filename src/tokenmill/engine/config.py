@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from tokenmill.engine.cpu_features import DtypeChoice, choose_auto_dtype, memory_bytes
 from tokenmill.engine.device import DEVICES, resolve_device
 from tokenmill.engine.mock_runner import StepTimeModel
-from tokenmill.engine.speculative import SpeculativeConfig
+from tokenmill.engine.speculative import SpeculativeConfig, check_draft_model
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.step_work import StepClock
 from tokenmill.textgen.model_config import ModelConfig
@@ -115,8 +115,8 @@ class EngineConfig:
         if self.runner != "torch":
             raise ValueError("--speculative needs --runner torch: the mock runner's tokens are a hash of the "
                              "sequence, so drafts would verify nothing")
-        if self.tp != 1 or self.ep != 1 or self.attention_dp != 1:
-            raise ValueError("--speculative works with --tp, --ep and --attention-dp 1 for now")
+        if self.speculative.draft_model is not None:
+            check_draft_model(self.model, self.speculative.draft_model)
 
     def _validate_tiers(self) -> None:
         for name in ("kv_host_gb", "kv_disk_gb", "kv_shared_gb"):

@@ -56,7 +56,7 @@ class LLMEngine:
         self.tiers = self._attach_tiers() if config.kv_tiers_enabled else None
         self.requests: dict[str, Request] = {}
         self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0)
-        self.drafter = Drafter(config.speculative, self.max_model_len)
+        self.drafter = Drafter(config.speculative, self.max_model_len, self._draft_model(num_blocks))
         self._seconds = dict(prefill=0.0, decode=0.0)
 
     def _rank_schedulers(self, num_blocks: int) -> tuple[list[BlockPool], list[KVCacheManager], list[Scheduler]]:
@@ -109,6 +109,16 @@ class LLMEngine:
         model = load_model(self.config.model, cfg, dtype, self.max_model_len, device=self.config.device)
         return TorchModelRunner(model, cfg, num_blocks, self.config.block_size, dtype, self.config.seed,
                                 kv_allocator, self.config.device)
+
+    def _draft_model(self, num_blocks: int):
+        spec = self.config.speculative
+        if spec is None or spec.draft_model is None:
+            return None
+        from tokenmill.engine.draft_model import DraftModel  # torch: a second model's forward pass
+
+        config = self.config
+        return DraftModel.load(spec.draft_model, config.torch_dtype(self.model_config), num_blocks, config.block_size,
+                               self.max_model_len, config.max_num_batched_tokens, config.device)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -271,6 +281,9 @@ class LLMEngine:
         results = []
         for scheduler, out in zip(self.schedulers, outs):
             results += self._process(scheduler, out, sampled)
+        decoding = [s.request for out in outs for s in out.seqs
+                    if s.request.request_id in sampled and not s.request.is_finished]
+        self.drafter.propose(decoding, self.requests)
         return results
 
     def _record_step(self, outs: list[SchedulerOutput], seconds: float) -> None:
@@ -299,7 +312,7 @@ class LLMEngine:
               ) -> RequestOutput:
         """Append the step's tokens (the drafts the target confirmed, then its own next token),
         each checked for a stop as if it had been decoded alone; record the step; finish the
-        request or draft its next tokens."""
+        request if it stopped."""
         request = seq.request
         accepted = self.drafter.verify(request, seq.num_drafts, rows)
         tokens: list[int] = []
@@ -324,8 +337,6 @@ class LLMEngine:
             scheduler.finish(request, reason)
             self.output.remove(request.request_id)
             del self.requests[request.request_id]
-        else:
-            request.draft_token_ids = self.drafter.propose(request)
         return RequestOutput(
             request.request_id, tokens, text, request.is_finished, request.finish_reason,
             request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,

@@ -6,6 +6,7 @@ differs. `TorchModelRunner` runs the real model on the paged KV cache.
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,6 +22,18 @@ from tokenmill.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.kv.cache_manager import KVCacheManager
 from tokenmill.textgen.model_config import ModelConfig
 from tokenmill.textgen.sampling import SampleRow
+
+
+@dataclass(slots=True)
+class StepPart:
+    """One sequence's rows in a step: tokens `ids` at positions start.., over its `blocks`."""
+    ids: list[int]
+    start: int
+    blocks: np.ndarray  # int64, covering every position up to start + len(ids)
+    # each row a lone query over the keys up to its own (a decode, its drafts): the native
+    # decode kernel's; otherwise one causal span
+    single_queries: bool
+    logits: int  # how many of its last rows give logits (0: none)
 
 
 class TorchModelRunner:
@@ -51,10 +64,10 @@ class TorchModelRunner:
         input_ids, positions, batch, logits_rows = self._prepare(out, kv)
         sampling = [s for s in out.seqs if s.samples]
         masks = self._start_masks(sampling)
-        logits = self.forward(*self._to_device(input_ids, positions, batch, logits_rows))
+        logits = self.forward(*self.to_device(input_ids, positions, batch, logits_rows))
         return self._sample(sampling, logits.cpu(), masks)
 
-    def _to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+    def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                    logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
         """The step's host-built tensors where the model is (as they are on the CPU)."""
         if self.device.type == "cpu":
@@ -99,6 +112,18 @@ class TorchModelRunner:
 
     def _prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[
             torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
+        bs = self.block_size
+        parts = []
+        for seq in out.seqs:
+            end = seq.start + seq.num_tokens
+            blocks = np.asarray(kv.block_ids(seq.request.request_id)[: -(-end // bs)], dtype=np.int64)
+            parts.append(StepPart(seq.request.tokens_at(seq.start, end), seq.start, blocks,
+                                  seq.num_tokens == 1 + seq.num_drafts, 1 + seq.num_drafts if seq.samples else 0))
+        return self.step_inputs(parts)
+
+    def step_inputs(self, parts: list[StepPart]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
+        """The flattened step over this runner's KV pool: input ids, positions, the attention
+        batch and the rows whose logits are wanted (each part's last `logits` rows, in order)."""
         ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
@@ -106,20 +131,17 @@ class TorchModelRunner:
         decodes: list[tuple[int, np.ndarray, int]] = []  # (row, blocks, context length)
         logits_rows: list[int] = []
         bs = self.block_size
-        for seq in out.seqs:
-            end = seq.start + seq.num_tokens
-            blocks = np.asarray(kv.block_ids(seq.request.request_id)[: -(-end // bs)], dtype=np.int64)
-            pos = np.arange(seq.start, end, dtype=np.int64)
-            if self.native_decode and seq.num_tokens == 1 + seq.num_drafts:
-                # a decode, and each draft row too: a single query seeing every key up to its own
-                decodes += [(len(ids) + i, blocks, seq.start + i + 1) for i in range(seq.num_tokens)]
+        for part in parts:
+            end = part.start + len(part.ids)
+            pos = np.arange(part.start, end, dtype=np.int64)
+            if self.native_decode and part.single_queries:
+                decodes += [(len(ids) + i, part.blocks, part.start + i + 1) for i in range(len(part.ids))]
             else:
-                spans.append(SeqSpan(len(ids), seq.num_tokens, end, torch.from_numpy(blocks)))
-            ids.extend(seq.request.tokens_at(seq.start, end))
+                spans.append(SeqSpan(len(ids), len(part.ids), end, torch.from_numpy(part.blocks)))
+            ids.extend(part.ids)
             positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            if seq.samples:
-                logits_rows.extend(range(len(ids) - 1 - seq.num_drafts, len(ids)))
+            slots.append(part.blocks[pos // bs] * bs + pos % bs)
+            logits_rows.extend(range(len(ids) - part.logits, len(ids)))
         if not ids:  # an attention-DP rank with nothing scheduled still joins the step
             positions = slots = [np.zeros(0, dtype=np.int64)]
         batch = AttentionBatch(torch.from_numpy(np.concatenate(slots)), spans, _decode_batch(decodes),

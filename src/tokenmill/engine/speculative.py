@@ -1,15 +1,17 @@
 """Speculative decoding: draft a few tokens cheaply, verify them in one forward pass.
 
     spec = SpeculativeConfig.parse("ngram", num_tokens=4)     # --speculative, --num-speculative-tokens
-    drafter = Drafter(spec, max_model_len)                    # the engine's (spec None: drafts nothing)
+    spec = SpeculativeConfig.parse("draft:DIR", None)         # or a small model with the same vocabulary
+    drafter = Drafter(spec, max_model_len, draft_model)       # the engine's (spec None: drafts nothing)
     accepted = drafter.verify(request, num_drafts, rows)      # rows: (token, logprob) per sampled row
-    request.draft_token_ids = drafter.propose(request)        # for its next step, [] when no match
+    drafter.propose(requests, live)                           # each one's draft_token_ids for its next step
 
 A decoding request with drafts d_1..d_k computes its last token and the drafts in one step
 (k + 1 rows). The row before draft position i gives p_i, the target model's distribution for
 that position given all before it (d_1..d_{i-1} included), and the target's token t_i is sampled
 from p_i exactly as without speculation (same penalties, same per-position seed); the last row
-gives t_{k+1}. Drafts are deterministic proposals (a point mass q_i on d_i), for which
+gives t_{k+1}. Drafts are deterministic proposals (a point mass q_i on d_i: prompt lookup's, or
+a draft model's greedy tokens), for which
 rejection sampling accepts d_i with probability min(1, p_i(d_i)/q_i(d_i)) = p_i(d_i) and, on
 rejection, draws from p_i with d_i removed. Accepting d_i exactly when
 t_i == d_i, and emitting t_i at the first mismatch, is that same rule:
@@ -22,41 +24,62 @@ keeps its own seed stream). A step with a accepted drafts emits a + 1 tokens: d_
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+from tokenmill.textgen.model_config import load_model_config
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft:DIR")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"
+    method: str = "ngram"  # or "draft"
     num_tokens: int = 4  # the most drafts a request proposes for a step (next_draft_limit)
     min_ngram: int = 1  # prompt lookup: match the last n tokens, n from max_ngram down to min_ngram
     max_ngram: int = 3
+    draft_model: str | None = None  # the draft model's checkpoint directory (method "draft")
 
     @classmethod
     def parse(cls, method: str | None, num_tokens: int | None) -> SpeculativeConfig | None:
         """From the flags; ValueError naming the flag for a bad value. None: no speculation."""
         if method is None:
             if num_tokens is not None:
-                raise ValueError("--num-speculative-tokens needs --speculative ngram")
+                raise ValueError("--num-speculative-tokens needs --speculative (ngram or draft:DIR)")
             return None
-        if method.startswith("draft:"):
-            raise ValueError("--speculative draft:DIR: draft models are not supported yet; use --speculative ngram")
-        if method not in METHODS:
+        draft = method.removeprefix("draft:") if method.startswith("draft:") else None
+        if draft is None and method != "ngram":
             raise ValueError(f"--speculative must be one of {', '.join(METHODS)}, got {method!r}")
+        if draft is not None and not (Path(draft) / "config.json").is_file():
+            raise ValueError(f"--speculative draft:DIR: {draft!r} is not a model directory (no config.json)")
         k = 4 if num_tokens is None else num_tokens
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}")
-        return cls(method, k)
+        return cls("ngram", k) if draft is None else cls("draft", k, draft_model=draft)
+
+
+def check_draft_model(target: str, draft: str) -> None:
+    """A draft model must speak the target's vocabulary: the same vocabulary size and, where both
+    ship a tokenizer.json, the same token ids. ValueError naming the flag otherwise."""
+    target_vocab, draft_vocab = load_model_config(target).vocab_size, load_model_config(draft).vocab_size
+    if target_vocab != draft_vocab:
+        raise ValueError(f"--speculative draft:DIR: the draft's vocabulary has {draft_vocab} tokens, "
+                         f"the model's {target_vocab}; a draft model must share the model's tokenizer")
+    files = [Path(target) / "tokenizer.json", Path(draft) / "tokenizer.json"]
+    if all(f.is_file() for f in files):
+        vocabs = [json.loads(f.read_text()).get("model", {}).get("vocab") for f in files]
+        if vocabs[0] != vocabs[1]:
+            raise ValueError("--speculative draft:DIR: the draft's tokenizer.json maps tokens to other ids "
+                             "than the model's; a draft model must share the model's tokenizer")
 
 
 def propose_ngram(token_ids: Sequence[int], spec: SpeculativeConfig, limit: int | None = None) -> list[int]:
@@ -93,13 +116,30 @@ def num_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
     return accepted
 
 
+class DraftProposer(Protocol):
+    """A draft model (`engine/draft_model.py`): each request's next tokens, proposed greedily."""
+
+    def propose(self, wants: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Up to `limit` drafts for each (request, limit), by request id; a request it cannot
+        draft for (its pool is full) is left out."""
+        ...
+
+    def retain(self, live: Container[str]) -> None:
+        """Forget every request whose id is not in `live` (finished, aborted, handed off)."""
+        ...
+
+
 class Drafter:
     """The engine's drafting: what each request proposes for its next step, and how many drafted
     tokens the target has verified and accepted so far (the worker's metrics)."""
 
-    def __init__(self, spec: SpeculativeConfig | None, max_model_len: int) -> None:
+    def __init__(self, spec: SpeculativeConfig | None, max_model_len: int,
+                 draft_model: DraftProposer | None = None) -> None:
+        if spec is not None and (spec.method == "draft") != (draft_model is not None):
+            raise ValueError("a draft model is needed by, and only by, --speculative draft:DIR")
         self.spec = spec
         self.max_model_len = max_model_len
+        self.draft_model = draft_model
         self.drafted = 0
         self.accepted = 0
 
@@ -115,15 +155,27 @@ class Drafter:
             request.draft_limit = next_draft_limit(accepted, self.spec)
         return accepted
 
-    def propose(self, request: Request) -> list[int]:
-        """Drafts for the request's next step: none without speculation, for a structured output
-        (its grammar would have to vet them) or a prefill-only request; never past max_tokens or
-        the context length."""
+    def propose(self, requests: Sequence[Request], live: Container[str]) -> None:
+        """Set each request's drafts for its next step (the draft model's in one batch); `live`
+        holds every request id still in the engine, so a draft model drops the others' state."""
         spec = self.spec
-        if spec is None or request.matcher is not None or request.prefill_only:
-            return []
+        if spec is None:
+            return
+        wants = [(r, limit) for r in requests if (limit := self._limit(r, spec)) > 0]
+        if self.draft_model is None:
+            drafts = {r.request_id: propose_ngram(r.token_ids, spec, limit) for r, limit in wants}
+        else:
+            self.draft_model.retain(live)
+            drafts = self.draft_model.propose(wants)
+        for request in requests:
+            request.draft_token_ids = drafts.get(request.request_id, [])
+
+    def _limit(self, request: Request, spec: SpeculativeConfig) -> int:
+        """How many drafts the request may take: none for a structured output (its grammar would
+        have to vet them) or a prefill-only request; never past max_tokens or the context length."""
+        if request.matcher is not None or request.prefill_only:
+            return 0
         limit = spec.num_tokens if request.draft_limit is None else request.draft_limit
         # a step emits up to drafts + 1 tokens, and computes positions up to num_tokens - 1 + drafts
-        room = min(request.params.max_tokens - len(request.output_token_ids) - 1,
+        return min(request.params.max_tokens - len(request.output_token_ids) - 1,
                    self.max_model_len - request.num_tokens - 1, limit)
-        return propose_ngram(request.token_ids, spec, room)

@@ -1,5 +1,5 @@
-"""`tokenmill bench speculative`: the embedded engine with and without n-gram drafting, on a code
-load with repeated spans.
+"""`tokenmill bench speculative`: the embedded engine with and without speculative decoding (n-gram
+drafts, or a draft model's with `--speculative draft:DIR`), on a code load with repeated spans.
 
 The load is code editing as an agent sends it: each request asks the model to add a docstring to
 one Python function and return the whole function, so most of the answer copies the prompt. The
@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint dir with a chat template (default: the one `make serve` prepares)")
     parser.add_argument("--num-requests", type=int, default=8, help="functions to edit, all sent at once")
     parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--speculative", default="ngram", metavar="ngram|draft:DIR",
+                        help="the drafts: prompt lookup (default) or a draft model with the same tokenizer")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each side, alternating")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -64,7 +66,7 @@ def _engines(args: argparse.Namespace) -> dict[str, Any]:
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.engine.speculative import SpeculativeConfig
 
-    spec = SpeculativeConfig.parse("ngram", args.num_speculative_tokens)
+    spec = SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens)
     return {side: LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, threads=args.threads,
                                          speculative=spec if side == "speculative" else None))
             for side in SIDES}
@@ -119,8 +121,8 @@ def _report(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     plain_rate = sides["plain"]["median_output_tokens_per_s"]
     return {
         "schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION,
-        "config": {k: getattr(args, k) for k in ("model", "num_requests", "max_tokens", "num_speculative_tokens",
-                                                 "rounds", "dtype", "threads", "seed")},
+        "config": {k: getattr(args, k) for k in ("model", "num_requests", "max_tokens", "speculative",
+                                                 "num_speculative_tokens", "rounds", "dtype", "threads", "seed")},
         "prompt_tokens": measured["prompt_tokens"], "sides": sides,
         "throughput_ratio": sides["speculative"]["median_output_tokens_per_s"] / plain_rate,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
@@ -132,7 +134,7 @@ def _report(measured: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
 def _print(report: dict[str, Any]) -> None:
     c = report["config"]
     table = Table(title=f"bench speculative: {c['num_requests']} code edits, {c['max_tokens']} tokens, "
-                        f"ngram K={c['num_speculative_tokens']}, {c['dtype']}")
+                        f"{c['speculative']} K={c['num_speculative_tokens']}, {c['dtype']}")
     for column in ("side", "output tok/s (median)", "runs", "engine steps"):
         table.add_column(column, justify="left" if column == "side" else "right")
     for side, figures in report["sides"].items():
@@ -159,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         report = _report(_measure(args), args)
-    except ValueError as exc:  # a bad --num-speculative-tokens, a model without a chat template
+    except ValueError as exc:  # a bad --speculative or --num-speculative-tokens, no chat template
         log.error("bench speculative: %s", exc)
         return 2
     _print(report)

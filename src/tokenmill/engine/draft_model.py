@@ -1,0 +1,135 @@
+"""A draft model for speculative decoding: a small model with the target's vocabulary proposes
+each request's next tokens greedily, on a paged KV pool of its own.
+
+    draft = DraftModel.load(dir, dtype, num_blocks, block_size, max_model_len, device)
+    draft.retain(live_request_ids)               # forget finished requests, free their blocks
+    drafts = draft.propose([(request, k), ...])  # request id -> up to k greedy tokens
+
+A request's state here is its blocks and `computed`, how many of its leading tokens have their
+K/V in this pool, plus `fed`, the drafts whose K/V was written after them. Drafting k tokens for
+a request of n tokens runs k batched forward passes of the draft model:
+
+    pass 0:      the tokens computed..n-1 (the whole prompt the first time, then the 1 or 2
+                 tokens the target emitted past what was fed) -> d_1 = argmax of the last row
+    pass i>0:    d_i at position n+i-1 -> d_{i+1}
+
+so afterwards computed = n and fed = d_1..d_{k-1}. The next time, the request's tokens past n
+are the drafts the target accepted and then its own token; the fed drafts that match them keep
+their K/V (computed grows by that many) and the rest is overwritten. Greedy drafts are point
+masses, so the target's verification (`engine/speculative.py`) keeps its distribution exactly
+whatever the draft model is. Blocks are allocated per request (no prefix sharing: a draft pool
+of the target's size may run short where the target shares prefixes); a request the pool cannot
+hold gets no drafts, the plain return of a failed allocation.
+"""
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tokenmill.engine.request import Request
+from tokenmill.engine.runner import StepPart, TorchModelRunner
+from tokenmill.engine.speculative import MAX_SPECULATIVE_TOKENS
+from tokenmill.engine.weights import load_model
+from tokenmill.textgen.model_config import load_model_config
+
+
+@dataclass(slots=True)
+class DraftState:
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # leading tokens of the request whose K/V this pool holds
+    fed: list[int] = field(default_factory=list)  # drafts written after them, in order
+
+
+class DraftModel:
+    def __init__(self, runner: TorchModelRunner, num_blocks: int, chunk_tokens: int) -> None:
+        """`chunk_tokens`: the most context tokens one `propose` catches up on (the target's
+        step budget, so a long prompt's draft prefill is spread over steps like its own)."""
+        self.runner = runner
+        self.chunk_tokens = chunk_tokens
+        self.block_size = runner.block_size
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest first
+        self.num_blocks = num_blocks
+        self.states: dict[str, DraftState] = {}
+
+    @classmethod
+    def load(cls, model_dir: str, dtype: torch.dtype, num_blocks: int, block_size: int, max_model_len: int,
+             chunk_tokens: int, device: str = "cpu") -> DraftModel:
+        """The draft checkpoint at the target's dtype and device, with a pool of `num_blocks`
+        blocks (as many tokens as the target's pool holds)."""
+        cfg = load_model_config(model_dir)
+        if cfg.max_position_embeddings < max_model_len:
+            raise ValueError(f"--speculative draft:DIR: the draft model handles {cfg.max_position_embeddings} "
+                             f"positions, fewer than the context length {max_model_len}")
+        model = load_model(model_dir, cfg, dtype, max_model_len, device=device)
+        return cls(TorchModelRunner(model, cfg, num_blocks, block_size, dtype, device=device), num_blocks, chunk_tokens)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def retain(self, live: Container[str]) -> None:
+        for request_id in [r for r in self.states if r not in live]:
+            self.free_blocks += reversed(self.states.pop(request_id).blocks)
+
+    def propose(self, wants: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Up to k greedy drafts for each (request, k). A request whose context this pool has yet
+        to catch up on past what is left of `chunk_tokens` (a prompt, the first time) only feeds
+        a chunk of it this time, and drafts once it has caught up, as the target chunks prefill."""
+        held = [(r, k) for r, k in wants if self._hold(r, k)]
+        budget, drafting, feeds, chunks = self.chunk_tokens, [], [], []
+        for request, k in held:
+            start = self.states[request.request_id].computed
+            ids = request.token_ids[start:]
+            if len(ids) > max(budget, 1 + MAX_SPECULATIVE_TOKENS):
+                if budget > 0:
+                    chunks.append((request, ids[:budget], start, 0))
+                    self.states[request.request_id].computed += budget
+                budget = 0
+                continue
+            budget -= len(ids)
+            drafting.append((request, k))
+            feeds.append((request, ids, start, 1))
+        drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in drafting}
+        for i in range(max((k for _, k in drafting), default=0)):
+            for (request, *_), token in zip(feeds, self._greedy(feeds + chunks)):
+                drafts[request.request_id].append(token)
+            feeds = [(r, drafts[r.request_id][-1:], r.num_tokens + i, 1) for r, k in drafting if k > i + 1]
+            chunks = []
+        if chunks:  # only catching up this time
+            self._greedy(chunks)
+        for request, k in drafting:
+            state = self.states[request.request_id]
+            state.computed, state.fed = request.num_tokens, drafts[request.request_id][:k - 1]
+        return drafts
+
+    def _hold(self, request: Request, k: int) -> bool:
+        """Resync the request's state with its tokens and give it the blocks for k - 1 fed drafts
+        past them; False (and no drafts) when the pool cannot."""
+        state = self.states.setdefault(request.request_id, DraftState())
+        tokens = request.token_ids
+        matched = 0
+        while matched < len(state.fed) and state.computed + matched < len(tokens) \
+                and state.fed[matched] == tokens[state.computed + matched]:
+            matched += 1
+        # at least one token is fed, so its row gives the first draft's logits
+        state.computed = min(state.computed + matched, len(tokens) - 1)
+        state.fed = []
+        need = -(-(len(tokens) + k - 1) // self.block_size) - len(state.blocks)
+        if need > len(self.free_blocks):
+            return False
+        state.blocks += [self.free_blocks.pop() for _ in range(max(0, need))]
+        return True
+
+    def _greedy(self, feeds: list[tuple[Request, list[int], int, int]]) -> list[int]:
+        """One forward pass writing each (request, ids, start, logits)'s tokens at positions
+        start..; the argmax of the last row of each with logits 1. A few tokens past a held
+        context go through the decode kernel (a lone query each), a prompt as one causal span."""
+        parts = [StepPart(ids, start, np.asarray(self.states[r.request_id].blocks, dtype=np.int64),
+                          start > 0 and len(ids) <= MAX_SPECULATIVE_TOKENS + 1, logits)
+                 for r, ids, start, logits in feeds]
+        runner = self.runner
+        logits = runner.forward(*runner.to_device(*runner.step_inputs(parts)))
+        return logits.argmax(dim=-1).tolist()
