@@ -27,6 +27,7 @@ from tokenmill.engine.speculative import (
     check_draft_model,
     next_draft_limit,
     num_accepted,
+    pause_after,
     propose_ngram,
 )
 from tokenmill.textgen.sampling import SamplingParams
@@ -82,6 +83,8 @@ def test_a_request_drafts_one_more_than_it_last_had_accepted() -> None:
     assert next_draft_limit(0, spec) == 1  # not copying: one draft a step
     assert next_draft_limit(1, spec) == 2  # copying again: it grows
     assert next_draft_limit(4, spec) == 4  # never past the configured K
+    # drafts that keep missing pause: none after one miss, then 1, 3, 7 steps, at most 15
+    assert [pause_after(m) for m in range(7)] == [0, 0, 1, 3, 7, 15, 15]
 
 
 @pytest.mark.parametrize(("method", "k", "message"), [
@@ -223,6 +226,8 @@ def test_a_draft_model_changes_no_output(tiny_dense: Path, tmp_path: Path) -> No
                make_engine(tiny_dense, speculative=_draft(tiny_dense), num_kv_blocks=30)]
     for engine in engines[1:]:
         assert engine.generate(batch, GREEDY) == expected
+    # the other weights' drafts keep missing, and the requests pause drafting
+    assert _drafted(engines[1])[0] < sum(map(len, expected)) // 4
     assert engines[3].stats().num_preemptions > 0
     for engine in engines:
         _assert_idle(engine)

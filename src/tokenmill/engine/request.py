@@ -41,6 +41,8 @@ class Request:
     # never enter `token_ids`, the prefix cache or the outputs until the target model confirms them
     draft_token_ids: list[int] = field(default_factory=list)
     draft_limit: int | None = None  # drafts to propose next (speculative.Drafter); None: the configured K
+    draft_misses: int = 0  # verify steps in a row that accepted none of its draft model's drafts
+    draft_pause: int = 0  # steps left before it drafts again (speculative.pause_after)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
