@@ -233,7 +233,7 @@ def test_a_draft_model_changes_no_output(tiny_dense: Path, tmp_path: Path) -> No
         _assert_idle(engine)
 
 
-def test_a_draft_pool_that_cannot_hold_a_request_drafts_nothing_for_it(tiny_dense: Path) -> None:
+def test_a_draft_pool_that_cannot_hold_a_request_drafts_nothing_for_it_and_an_abort_frees_at_once(tiny_dense: Path) -> None:
     engine = make_engine(tiny_dense)
     draft = DraftModel.load(str(tiny_dense), torch.float32, 4, 16, 256, 256)
     short, long = _repetitive(engine, 2, seed=8)
@@ -245,6 +245,14 @@ def test_a_draft_pool_that_cannot_hold_a_request_drafts_nothing_for_it(tiny_dens
     assert draft.num_free_blocks == 1
     draft.retain({"long"})
     assert draft.num_free_blocks == 4 and list(draft.states) == ["long"]
+
+    spec = make_engine(tiny_dense, speculative=_draft(tiny_dense))
+    spec.add_request("a", short, GREEDY)
+    for _ in range(3):
+        spec.step()
+    assert spec.drafter.draft_model.states["a"].blocks
+    assert spec.abort("a")  # its draft blocks back at once, not at a next step
+    _assert_idle(spec)
 
 
 def test_rejected_drafts_give_their_blocks_back(tiny_dense: Path) -> None:

@@ -3,6 +3,7 @@ each request's next tokens greedily, on a paged KV pool of its own.
 
     draft = DraftModel.load(dir, dtype, num_blocks, block_size, max_model_len, device)
     draft.retain(live_request_ids)               # forget finished requests, free their blocks
+    draft.release(request_id)                    # or one (aborted between steps)
     drafts = draft.propose([(request, k), ...])  # request id -> up to k greedy tokens
 
 A request's state here is its blocks and `computed`, how many of its leading tokens have their
@@ -72,7 +73,12 @@ class DraftModel:
 
     def retain(self, live: Container[str]) -> None:
         for request_id in [r for r in self.states if r not in live]:
-            self.free_blocks += reversed(self.states.pop(request_id).blocks)
+            self.release(request_id)
+
+    def release(self, request_id: str) -> None:
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self.free_blocks += reversed(state.blocks)
 
     def propose(self, wants: list[tuple[Request, int]]) -> dict[str, list[int]]:
         """Up to k greedy drafts for each (request, k). A request whose context this pool has yet

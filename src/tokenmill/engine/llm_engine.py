@@ -206,6 +206,7 @@ class LLMEngine:
         if not self.handoff.abort(request_id):
             self._scheduler_of(request).abort(request)
         self.output.remove(request_id)
+        self.drafter.release(request_id)
         return True
 
     def has_unfinished(self) -> bool:

@@ -140,6 +140,10 @@ class DraftProposer(Protocol):
         """Forget every request whose id is not in `live` (finished, aborted, handed off)."""
         ...
 
+    def release(self, request_id: str) -> None:
+        """Forget one request (aborted)."""
+        ...
+
 
 class Drafter:
     """The engine's drafting: what each request proposes for its next step, and how many drafted
@@ -169,6 +173,11 @@ class Drafter:
             request.draft_misses = 0 if accepted else request.draft_misses + 1
             request.draft_pause = pause_after(request.draft_misses)
         return accepted
+
+    def release(self, request_id: str) -> None:
+        """An aborted request's draft-model state freed now, not at the next step."""
+        if self.draft_model is not None:
+            self.draft_model.release(request_id)
 
     def propose(self, requests: Sequence[Request], live: Container[str]) -> None:
         """Set each request's drafts for its next step (the draft model's in one batch); `live`
