@@ -245,6 +245,8 @@ def test_a_draft_pool_that_cannot_hold_a_request_drafts_nothing_for_it_and_an_ab
     assert draft.num_free_blocks == 1
     draft.retain({"long"})
     assert draft.num_free_blocks == 4 and list(draft.states) == ["long"]
+    shorter = DraftModel.load(str(tiny_dense), torch.float32, 16, 16, 42, 256)  # its context: 42 positions
+    assert shorter.propose([(requests[0], 2)])["short"] and not shorter.propose([(requests[0], 4)])
 
     spec = make_engine(tiny_dense, speculative=_draft(tiny_dense))
     spec.add_request("a", short, GREEDY)

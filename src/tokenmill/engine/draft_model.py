@@ -20,7 +20,8 @@ their K/V (computed grows by that many) and the rest is overwritten. Greedy draf
 masses, so the target's verification (`engine/speculative.py`) keeps its distribution exactly
 whatever the draft model is. Blocks are allocated per request (no prefix sharing: a draft pool
 of the target's size may run short where the target shares prefixes); a request the pool cannot
-hold gets no drafts, the plain return of a failed allocation.
+hold, or longer than the draft model's context, gets no drafts: the plain return of a failed
+allocation.
 """
 from __future__ import annotations
 
@@ -45,11 +46,13 @@ class DraftState:
 
 
 class DraftModel:
-    def __init__(self, runner: TorchModelRunner, num_blocks: int, chunk_tokens: int) -> None:
+    def __init__(self, runner: TorchModelRunner, num_blocks: int, chunk_tokens: int, max_positions: int) -> None:
         """`chunk_tokens`: the most context tokens one `propose` catches up on (the target's
-        step budget, so a long prompt's draft prefill is spread over steps like its own)."""
+        step budget, so a long prompt's draft prefill is spread over steps like its own).
+        `max_positions`: the draft model's context; a longer request gets no drafts."""
         self.runner = runner
         self.chunk_tokens = chunk_tokens
+        self.max_positions = max_positions
         self.block_size = runner.block_size
         self.free_blocks = list(range(num_blocks - 1, -1, -1))  # popped from the end: lowest first
         self.num_blocks = num_blocks
@@ -61,11 +64,10 @@ class DraftModel:
         """The draft checkpoint at the target's dtype and device, with a pool of `num_blocks`
         blocks (as many tokens as the target's pool holds)."""
         cfg = load_model_config(model_dir)
-        if cfg.max_position_embeddings < max_model_len:
-            raise ValueError(f"--speculative draft:DIR: the draft model handles {cfg.max_position_embeddings} "
-                             f"positions, fewer than the context length {max_model_len}")
-        model = load_model(model_dir, cfg, dtype, max_model_len, device=device)
-        return cls(TorchModelRunner(model, cfg, num_blocks, block_size, dtype, device=device), num_blocks, chunk_tokens)
+        positions = min(max_model_len, cfg.max_position_embeddings)
+        model = load_model(model_dir, cfg, dtype, positions, device=device)
+        runner = TorchModelRunner(model, cfg, num_blocks, block_size, dtype, device=device)
+        return cls(runner, num_blocks, chunk_tokens, positions)
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,7 +115,8 @@ class DraftModel:
 
     def _hold(self, request: Request, k: int) -> bool:
         """Resync the request's state with its tokens and give it the blocks for k - 1 fed drafts
-        past them; False (and no drafts) when the pool cannot."""
+        past them; False (and no drafts) when the pool cannot, or the draft model's context ends
+        before them."""
         state = self.states.setdefault(request.request_id, DraftState())
         tokens = request.token_ids
         matched = 0
@@ -124,7 +127,7 @@ class DraftModel:
         state.computed = min(state.computed + matched, len(tokens) - 1)
         state.fed = []
         need = -(-(len(tokens) + k - 1) // self.block_size) - len(state.blocks)
-        if need > len(self.free_blocks):
+        if need > len(self.free_blocks) or len(tokens) + k - 1 > self.max_positions:
             return False
         state.blocks += [self.free_blocks.pop() for _ in range(max(0, need))]
         return True

@@ -116,9 +116,10 @@ class LLMEngine:
             return None
         from tokenmill.engine.draft_model import DraftModel  # torch: a second model's forward pass
 
-        config = self.config
-        return DraftModel.load(spec.draft_model, config.torch_dtype(self.model_config), num_blocks, config.block_size,
-                               self.max_model_len, config.max_num_batched_tokens, config.device)
+        config = self.config  # one pool for the requests of every attention-DP rank
+        return DraftModel.load(spec.draft_model, config.torch_dtype(self.model_config),
+                               num_blocks * len(self.schedulers), config.block_size, self.max_model_len,
+                               config.max_num_batched_tokens, config.device)
 
     # -- requests -------------------------------------------------------------------------
 
