@@ -24,7 +24,6 @@ def tokenmill(python: str | Path, *argv: str) -> subprocess.CompletedProcess:
     (["--engine-arg", "dtype=float32"], "--engine-arg"),
     (["--engine", "vllm", "--engine-arg", "no_such_option=1"], "--engine-arg no-such-option=1"),
     (["--engine", "vllm", "--engine-arg", "dtype"], "--engine-arg 'dtype'"),
-    (["--engine", "vllm", "--", "--dtype", "float64"], "--dtype"),
     (["--engine", "vllm", "--engine-python", "/nonexistent/python"], "--engine-python /nonexistent/python"),
     (["--engine", "vllm", "--prefill", "1", "--decode", "1", "--kv-transfer-backends", "shm"],
      "--kv-transfer-backends shm"),
@@ -63,6 +62,7 @@ WORKER_CASES: dict[str, list[str]] = {
     "vLLM given another block size": ["--engine-arg", "block_size=64"],
     "a transfer connector of vLLM's": ["--role", "decode", "--engine-arg",
                                        'kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}'],
+    "a bad value for vLLM's own parser": ["--", "--dtype", "float64"],
 }
 
 CHECKS = """
@@ -113,6 +113,7 @@ def test_the_worker_accepts_good_vllm_options(worker_checks: dict[str, dict]) ->
     ("block size 16", "--block-size 16"),
     ("vLLM given another block size", "--block-size 32"),
     ("a transfer connector of vLLM's", "--engine-arg kv_transfer_config"),
+    ("a bad value for vLLM's own parser", "--dtype"),
 ])
 def test_the_worker_refuses_options_vllm_would_run_wrongly(worker_checks: dict[str, dict], case: str,
                                                           named: str) -> None:
