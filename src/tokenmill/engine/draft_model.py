@@ -1,7 +1,7 @@
 """A draft model for speculative decoding: a small model with the target's vocabulary proposes
 each request's next tokens greedily, on a paged KV pool of its own.
 
-    draft = DraftModel.load(dir, dtype, num_blocks, block_size, max_model_len, device)
+    draft = DraftModel.load(dir, dtype, num_blocks, block_size, max_model_len, chunk_tokens, device)
     draft.retain(live_request_ids)               # forget finished requests, free their blocks
     draft.release(request_id)                    # or one (aborted between steps)
     drafts = draft.propose([(request, k), ...])  # request id -> up to k greedy tokens
