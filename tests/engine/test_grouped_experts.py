@@ -148,6 +148,18 @@ def test_the_layer_takes_the_native_path_with_the_per_expert_result(dtype: torch
     assert (got.float() - plain.float()).abs().max().item() <= tolerance
 
 
+def test_in_fp32_the_rows_per_expert_choose_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 experts, top-2: 256 tokens are 64 rows per expert (native), 264 are 66 (the library's)."""
+    moe = _layer(torch.float32)
+    calls = []
+    native = grouped_experts.moe_experts
+    monkeypatch.setattr(grouped_experts, "moe_experts", lambda *a: calls.append(len(a[0])) or native(*a))
+    with torch.inference_mode():
+        for tokens in (256, 264):
+            moe(torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens)))
+    assert calls == [256]
+
+
 def test_weights_changed_in_place_are_repacked() -> None:
     moe = _layer(torch.float32)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
