@@ -3,8 +3,9 @@
 The experts run on one of three paths, chosen per call:
 - **native** (`kernels/grouped_experts.py`): every active expert of the layer in one C call,
   each expert's weights read once per step. Used for small batches (decode), where library
-  GEMMs spend most of their time per call rather than per byte, and for every batch on CPUs
-  without native bf16 matmuls, where it is also the faster compute path (`use_native`).
+  GEMMs spend most of their time per call rather than per byte, in fp32 up to prefill chunks
+  whose experts get as few rows each (`_gemm_rows`), and for every batch on CPUs without
+  native bf16 matmuls, where it is also the faster compute path (`use_native`).
 - **oneDNN-packed** (`kernels/packed_linear.py`): bf16 on CPUs with native bf16, large batches.
 - **plain** `F.linear` per expert: everything else (autograd, other devices, no kernels).
 All three compute the same function; the native path keeps its sums in fp32 throughout.
