@@ -118,6 +118,11 @@ def test_a_draft_model_must_share_the_tokenizer(tiny_dense: Path, tmp_path: Path
     (renamed / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(ValueError, match="maps tokens to other ids"):
         EngineConfig(model=str(tiny_dense), speculative=_draft(renamed))
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
+    with pytest.raises(ValueError, match="^--speculative draft:DIR: "):
+        check_draft_model(str(tiny_dense), str(unknown))
 
 
 def test_serve_exits_2_naming_the_flag(tiny_dense: Path) -> None:
@@ -224,13 +229,28 @@ def test_a_draft_model_changes_no_output(tiny_dense: Path, tmp_path: Path) -> No
     engines = [itself, make_engine(tiny_dense, speculative=_draft(other)),
                make_engine(tiny_dense, speculative=_draft(tiny_dense), max_num_batched_tokens=16),
                make_engine(tiny_dense, speculative=_draft(tiny_dense), num_kv_blocks=30)]
-    for engine in engines[1:]:
+    for engine in engines[1:3]:
         assert engine.generate(batch, GREEDY) == expected
+    assert _generate_watching_preemptions(engines[3], batch) == expected
     # the other weights' drafts keep missing, and the requests pause drafting
     assert _drafted(engines[1])[0] < sum(map(len, expected)) // 4
     assert engines[3].stats().num_preemptions > 0
     for engine in engines:
         _assert_idle(engine)
+
+
+def _generate_watching_preemptions(engine: LLMEngine, batch: list[list[int]]) -> list[list[int]]:
+    """`generate`, checking after each step that a waiting request (new, or preempted: its
+    target KV freed) holds no draft-model blocks either."""
+    ids = [f"w{i}" for i in range(len(batch))]
+    for rid, prompt in zip(ids, batch):
+        engine.add_request(rid, prompt, GREEDY)
+    done: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id].extend(out.new_token_ids)
+        assert not {r.request_id for r in engine.scheduler.waiting} & set(engine.drafter.draft_model.states)
+    return [done[rid] for rid in ids]
 
 
 def test_a_draft_pool_that_cannot_hold_a_request_drafts_nothing_for_it_and_an_abort_frees_at_once(tiny_dense: Path) -> None:
@@ -247,6 +267,7 @@ def test_a_draft_pool_that_cannot_hold_a_request_drafts_nothing_for_it_and_an_ab
     assert draft.num_free_blocks == 4 and list(draft.states) == ["long"]
     shorter = DraftModel.load(str(tiny_dense), torch.float32, 16, 16, 42, 256)  # its context: 42 positions
     assert shorter.propose([(requests[0], 2)])["short"] and not shorter.propose([(requests[0], 4)])
+    assert not shorter.states and shorter.num_free_blocks == 16  # past its context: its blocks back
 
     spec = make_engine(tiny_dense, speculative=_draft(tiny_dense))
     spec.add_request("a", short, GREEDY)

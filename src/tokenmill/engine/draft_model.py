@@ -64,7 +64,7 @@ class DraftModel:
         """The draft checkpoint at the target's dtype and device, with a pool of `num_blocks`
         blocks (as many tokens as the target's pool holds)."""
         cfg = load_model_config(model_dir)
-        positions = min(max_model_len, cfg.max_position_embeddings)
+        positions = min(max_model_len, cfg.max_position_embeddings, cfg.sliding_window or max_model_len)
         model = load_model(model_dir, cfg, dtype, positions, device=device)
         runner = TorchModelRunner(model, cfg, num_blocks, block_size, dtype, device=device)
         return cls(runner, num_blocks, chunk_tokens, positions)
@@ -91,13 +91,16 @@ class DraftModel:
         for request, k in held:
             start = self.states[request.request_id].computed
             ids = request.token_ids[start:]
-            if len(ids) > max(budget, 1 + MAX_SPECULATIVE_TOKENS):
-                if budget > 0:
-                    chunks.append((request, ids[:budget], start, 0))
-                    self.states[request.request_id].computed += budget
-                budget = 0
-                continue
-            budget -= len(ids)
+            # the few tokens of a request that has caught up are not charged to the budget, so
+            # decoding requests never starve a new prompt's catch-up
+            if len(ids) > 1 + MAX_SPECULATIVE_TOKENS:
+                if len(ids) > budget:
+                    if budget > 0:
+                        chunks.append((request, ids[:budget], start, 0))
+                        self.states[request.request_id].computed += budget
+                    budget = 0
+                    continue
+                budget -= len(ids)
             drafting.append((request, k))
             feeds.append((request, ids, start, 1))
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in drafting}
@@ -126,8 +129,11 @@ class DraftModel:
         # at least one token is fed, so its row gives the first draft's logits
         state.computed = min(state.computed + matched, len(tokens) - 1)
         state.fed = []
+        if len(tokens) + k - 1 > self.max_positions:  # it only grows: it will not fit again
+            self.release(request.request_id)
+            return False
         need = -(-(len(tokens) + k - 1) // self.block_size) - len(state.blocks)
-        if need > len(self.free_blocks) or len(tokens) + k - 1 > self.max_positions:
+        if need > len(self.free_blocks):
             return False
         state.blocks += [self.free_blocks.pop() for _ in range(max(0, need))]
         return True

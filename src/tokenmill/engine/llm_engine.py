@@ -51,12 +51,13 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(self.model_config.eos_token_ids)
         self.output = OutputProcessor(self.tokenizer, eos, self.max_model_len)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, sorted(eos))
+        # the draft model first: a bad one fails before a parallel worker's ranks start
+        self.drafter = Drafter(config.speculative, self.max_model_len, self._draft_model(num_blocks))
         self.runner: ModelRunner = self._make_runner(num_blocks, kv_allocator)
         self.handoff = KVHandoff(self.scheduler, self.kv)
         self.tiers = self._attach_tiers() if config.kv_tiers_enabled else None
         self.requests: dict[str, Request] = {}
         self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0)
-        self.drafter = Drafter(config.speculative, self.max_model_len, self._draft_model(num_blocks))
         self._seconds = dict(prefill=0.0, decode=0.0)
 
     def _rank_schedulers(self, num_blocks: int) -> tuple[list[BlockPool], list[KVCacheManager], list[Scheduler]]:
@@ -272,6 +273,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outs = [scheduler.schedule() for scheduler in self.schedulers]
         self._counters["preemptions"] += sum(len(out.preempted) for out in outs)
+        for request_id in (r for out in outs for r in out.preempted):
+            self.drafter.release(request_id)  # its draft K/V too: the pool is short
         if not any(outs):
             return []
         t0 = time.perf_counter()

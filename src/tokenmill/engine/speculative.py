@@ -71,7 +71,11 @@ class SpeculativeConfig:
 def check_draft_model(target: str, draft: str) -> None:
     """A draft model must speak the target's vocabulary: the same vocabulary size and, where both
     ship a tokenizer.json, the same token ids. ValueError naming the flag otherwise."""
-    target_vocab, draft_vocab = load_model_config(target).vocab_size, load_model_config(draft).vocab_size
+    try:
+        draft_vocab = load_model_config(draft).vocab_size
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--speculative draft:DIR: {exc}") from exc
+    target_vocab = load_model_config(target).vocab_size
     if target_vocab != draft_vocab:
         raise ValueError(f"--speculative draft:DIR: the draft's vocabulary has {draft_vocab} tokens, "
                          f"the model's {target_vocab}; a draft model must share the model's tokenizer")

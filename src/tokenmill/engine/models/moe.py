@@ -65,7 +65,7 @@ class SparseMoE(nn.Module):
         if self.exchange is not None:
             x, experts, weights = self.exchange.dispatch(x, experts, weights)
         experts = self._local_ids(experts)
-        panels = self._native_panels(x)
+        panels = self._native_panels(x, experts)
         if panels is not None:
             out = grouped_experts.moe_experts(x, experts, weights, panels[0], panels[1], self.intermediate)
             out = out.to(x.dtype)
@@ -119,23 +119,27 @@ class SparseMoE(nn.Module):
             return (grouped_experts.pack_panels(self.w_gate_up), grouped_experts.pack_panels(self.w_down),
                     self._versions())
 
-    def _native_panels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+    def _native_panels(self, x: torch.Tensor, experts: torch.Tensor,
+                       ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
         """The panels when the native path applies to this call (repacked if the weights changed)."""
-        if not grouped_experts.use_native(x, self.w_gate_up.dtype, self._gemm_rows(x)):
+        if not grouped_experts.use_native(x, self.w_gate_up.dtype, self._gemm_rows(x, experts)):
             return None
         if self._panels is None or self._panels[2] != self._versions():
             self._panels = self._pack_panels()
         return self._panels
 
-    def _gemm_rows(self, x: torch.Tensor) -> int:
-        """The rows that decide the path: in fp32, the rows of one expert's matmuls on average
-        (the call's tokens x top_k / experts), since a CPU's fp32 GEMM has no matrix unit to win
-        with and the library's per-expert GEMMs are as small as their rows (a 512-token chunk of
-        top-2 of 16 experts: 64 rows each, 0.77x the library's time with AVX-512); in bf16 the
-        call's tokens, for the oneDNN-packed path on matrix units (1.9x faster at 512 there)."""
-        if x.dtype != torch.float32:
-            return x.shape[0]
-        return -(-x.shape[0] * self.top_k // self.num_experts)
+    def _gemm_rows(self, x: torch.Tensor, experts: torch.Tensor) -> int:
+        """The rows that decide the path: in fp32, the rows of this module's experts' matmuls on
+        average (its assignments / its experts, -1 ids being another rank's), since a CPU's fp32
+        GEMM has no matrix unit to win with and the library's per-expert GEMMs are as small as
+        their rows (a 512-token chunk of top-2 of 16 experts: 64 rows each, 0.77x the library's
+        time with AVX-512); in bf16 the call's tokens, for the oneDNN-packed path on matrix units
+        (1.9x faster at 512 there)."""
+        rows = x.shape[0]
+        if x.dtype != torch.float32 or rows <= grouped_experts.NATIVE_MAX_ROWS:
+            return rows
+        assigned = int((experts >= 0).sum())
+        return min(rows, -(-assigned // self.num_experts))
 
     def _pack(self) -> tuple[list[PackedLinear], list[PackedLinear]] | None:
         gate_up, down = pack_experts(self.w_gate_up), pack_experts(self.w_down)
