@@ -46,18 +46,6 @@ def test_pin_endpoint_and_tier_metrics(tiny_dense: Path, tmp_path: Path, redis_s
         stop_server(server)
 
 
-def test_pin_without_tiers_names_the_flag(tiny_dense: Path, tmp_path: Path) -> None:
-    server = start_server(tiny_dense, tmp_path / "run", "--kv-cache-blocks", "64")
-    try:
-        answer = httpx.post(server.url + "/admin/pin", json={"prompt": list(range(20, 60))}, timeout=30)
-        assert answer.status_code == 200
-        body = answer.json()
-        assert body["pinned"] is False
-        assert all("--kv-host-gb" in why for why in body["workers"].values())
-    finally:
-        stop_server(server)
-
-
 def _worker_gauge(url: str, name: str) -> float:
     for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
         if line.startswith(f"tokenmill_worker_{name}{{"):

@@ -50,6 +50,16 @@ def test_completions_and_chat_match_the_in_process_engine(two_worker_server: Ser
     assert chunks[-1].usage.completion_tokens == 16
 
 
+def test_pin_without_tiers_names_the_flag(two_worker_server: Server) -> None:
+    """A pin needs a KV tier: each worker says which flag would give it one (before any worker
+    of this module's server is killed below)."""
+    answer = httpx.post(two_worker_server.url + "/admin/pin", json={"prompt": list(range(20, 60))}, timeout=30)
+    assert answer.status_code == 200
+    body = answer.json()
+    assert body["pinned"] is False and len(body["workers"]) == 2
+    assert all("--kv-host-gb" in why for why in body["workers"].values())
+
+
 def test_64_concurrent_streams_account_for_every_token(two_worker_server: Server) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int]:
         stream = await client.completions.create(
