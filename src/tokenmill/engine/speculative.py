@@ -145,7 +145,7 @@ class DraftProposer(Protocol):
         ...
 
     def release(self, request_id: str) -> None:
-        """Forget one request (aborted)."""
+        """Forget one request (aborted, or preempted)."""
         ...
 
 
@@ -179,7 +179,8 @@ class Drafter:
         return accepted
 
     def release(self, request_id: str) -> None:
-        """An aborted request's draft-model state freed now, not at the next step."""
+        """A request's draft-model state freed now (aborted, or preempted with its KV), not when
+        a later step finds it gone."""
         if self.draft_model is not None:
             self.draft_model.release(request_id)
 
