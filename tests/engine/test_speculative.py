@@ -242,15 +242,15 @@ def test_a_draft_model_changes_no_output(tiny_dense: Path, tmp_path: Path) -> No
 def _generate_watching_preemptions(engine: LLMEngine, batch: list[list[int]]) -> list[list[int]]:
     """`generate`, checking after each step that a waiting request (new, or preempted: its
     target KV freed) holds no draft-model blocks either."""
-    ids = [f"w{i}" for i in range(len(batch))]
-    for rid, prompt in zip(ids, batch):
-        engine.add_request(rid, prompt, GREEDY)
-    done: dict[str, list[int]] = {rid: [] for rid in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            done[out.request_id].extend(out.new_token_ids)
+    step = engine.step
+
+    def checked_step() -> list:
+        outputs = step()
         assert not {r.request_id for r in engine.scheduler.waiting} & set(engine.drafter.draft_model.states)
-    return [done[rid] for rid in ids]
+        return outputs
+
+    engine.step = checked_step  # type: ignore[method-assign]
+    return engine.generate(batch, GREEDY)
 
 
 def test_a_draft_pool_that_cannot_hold_a_request_drafts_nothing_for_it_and_an_abort_frees_at_once(tiny_dense: Path) -> None:

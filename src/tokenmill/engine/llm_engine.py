@@ -286,9 +286,10 @@ class LLMEngine:
         results = []
         for scheduler, out in zip(self.schedulers, outs):
             results += self._process(scheduler, out, sampled)
-        decoding = [s.request for out in outs for s in out.seqs
-                    if s.request.request_id in sampled and not s.request.is_finished]
-        self.drafter.propose(decoding, self.requests)
+        if self.config.speculative is not None:  # nothing built for drafts without speculation
+            decoding = [s.request for out in outs for s in out.seqs
+                        if s.request.request_id in sampled and not s.request.is_finished]
+            self.drafter.propose(decoding, self.requests)
         return results
 
     def _record_step(self, outs: list[SchedulerOutput], seconds: float) -> None:
