@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.engine import kernels
+from tokenmill.engine.huge_pages import empty_huge
 from tokenmill.engine.kernels.prefill_attention import prefill_attention
 
 
@@ -27,7 +28,7 @@ class SeqSpan:
 @dataclass(slots=True)
 class DecodeBatch:
     """Single-token queries, served by the native kernel straight from the blocks."""
-    rows: torch.Tensor  # int64 [n]: their rows in the flattened step
+    rows: torch.Tensor  # int64 [n]: their rows in the flattened step, ascending
     block_table: torch.Tensor  # int64 [n, max_blocks], padded with 0
     context_lens: torch.Tensor  # int64 [n]
 
@@ -44,8 +45,9 @@ def allocate_kv_cache(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, device: str = "cpu",
 ) -> torch.Tensor:
-    """One tensor for the whole cache: `[layers, 2, blocks, block_size, kv_heads, head_dim]`."""
-    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    """One tensor for the whole cache: `[layers, 2, blocks, block_size, kv_heads, head_dim]`, zeroed
+    (on huge pages where the host gives them: decode reads its blocks at scattered addresses)."""
+    return empty_huge(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device).zero_()
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -61,9 +63,12 @@ def paged_attention(
     """q: [tokens, heads, head_dim] -> [tokens, heads*head_dim], each row attending causally
     to its own sequence's cached context."""
     tokens, heads, dim = q.shape
+    d = batch.decode
+    if d is not None and not batch.spans and d.rows.numel() == tokens:  # rows 0..tokens-1: no gather
+        res = kernels.paged_decode_attention(q, kv_layer[0], kv_layer[1], d.block_table, d.context_lens, scale)
+        return res.to(q.dtype).view(tokens, heads * dim)
     out = q.new_empty(tokens, heads, dim)
-    if batch.decode is not None:
-        d = batch.decode
+    if d is not None:
         res = kernels.paged_decode_attention(q.index_select(0, d.rows), kv_layer[0], kv_layer[1],
                                              d.block_table, d.context_lens, scale)
         out.index_copy_(0, d.rows, res.to(q.dtype))

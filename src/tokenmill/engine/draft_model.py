@@ -33,6 +33,7 @@ import torch
 
 from tokenmill.engine.request import Request
 from tokenmill.engine.runner import StepPart, TorchModelRunner
+from tokenmill.engine.sampler import argmax_rows
 from tokenmill.engine.speculative import MAX_SPECULATIVE_TOKENS
 from tokenmill.engine.weights import load_model
 from tokenmill.textgen.model_config import load_model_config
@@ -147,4 +148,4 @@ class DraftModel:
                  for r, ids, start, logits in feeds]
         runner = self.runner
         logits = runner.forward(*runner.to_device(*runner.step_inputs(parts)))
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(logits).tolist()

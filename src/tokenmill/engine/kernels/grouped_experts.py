@@ -14,6 +14,7 @@ from functools import cache
 
 import torch
 
+from tokenmill.engine.huge_pages import empty_huge
 from tokenmill.engine.kernels import load_library
 from tokenmill.engine.kernels.packed_linear import bf16_packing_available
 
@@ -57,7 +58,9 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     panels = -(-out_features // PANEL)
     padded = weight.new_zeros(*lead, panels * PANEL, in_features)
     padded[..., :out_features, :] = weight
-    return padded.view(*lead, panels, PANEL, in_features).transpose(-1, -2).contiguous()
+    # on huge pages where the host gives them: every decode step streams the panels
+    packed = empty_huge(*lead, panels, in_features, PANEL, dtype=weight.dtype, device=weight.device)
+    return packed.copy_(padded.view(*lead, panels, PANEL, in_features).transpose(-1, -2))
 
 
 def _fn(kind: str, dtype: torch.dtype) -> ctypes._CFuncPtr:

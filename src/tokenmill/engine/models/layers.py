@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.engine.kernels import layer_ops
 from tokenmill.engine.models.native_linear import NativeLinear
 from tokenmill.textgen.model_config import ModelConfig
 
@@ -22,6 +23,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == x.dtype and layer_ops.supports(x):
+            return layer_ops.rms_norm(x, self.weight, self.eps)
         # one fused op for x * rsqrt(mean(x^2) + eps), in fp32 as HF does it
         h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * h.to(x.dtype)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.attention import AttentionBatch, paged_attention, write_kv
+from tokenmill.engine.kernels import layer_ops
 from tokenmill.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from tokenmill.engine.models.moe import SparseMoE
 from tokenmill.engine.models.native_linear import NativeLinear
@@ -44,11 +45,22 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        write_kv(kv_layer, k, v, batch.slot_mapping)
+        q = self._rotate_and_store(q, k, v, rope, kv_layer, batch.slot_mapping)
         out = self.o_proj(paged_attention(q, kv_layer, batch, self.scale))
         return out if self.reduce is None else self.reduce(out)
+
+
+    @staticmethod
+    def _rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                          kv_layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding on q and k, k and v stored at their slots: the rotated q."""
+        cos, sin = rope
+        if layer_ops.supports(q) and cos.dtype == kv_layer.dtype == q.dtype and kv_layer.is_contiguous():
+            layer_ops.rope_store(q, k, v, cos, sin, kv_layer[0], kv_layer[1], slots)  # q and k in place
+            return q
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        write_kv(kv_layer, k, v, slots)
+        return q
 
 
 class DecoderLayer(nn.Module):
