@@ -99,3 +99,42 @@ def test_long_contexts_shared_between_threads_give_the_same_outputs(dtype: torch
         ref = F.scaled_dot_product_attention(q[i].float()[None, :, None], ctx[0][None], ctx[1][None],
                                              enable_gqa=True)[0, :, 0]
         assert torch.allclose(outs[1][i], ref, atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(dim=st.sampled_from([36, 64]), group=st.integers(1, 4), kv_heads=st.integers(1, 3),
+       seqs=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 6)), min_size=1, max_size=4),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_a_sequences_queries_read_together_equal_each_query_alone(dim: int, group: int, kv_heads: int,
+                                                                   seqs: list[tuple[int, int]], dtype: torch.dtype,
+                                                                   seed: int) -> None:
+    """A decode and its drafts (Q queries at the end of one context, each one key shorter than the
+    next) in one pass over the context: bit for bit what each query gives alone, on the vector
+    path (64) and off it (36)."""
+    g = torch.Generator().manual_seed(seed)
+    bs = 16
+    seqs = [(max(n, q), q) for n, q in seqs]  # no more queries than context
+    blocks = [-(-n // bs) for n, _ in seqs]
+    cache = torch.randn(2, sum(blocks), bs, kv_heads, dim, generator=g).to(dtype)
+    table = torch.zeros(len(seqs), max(blocks), dtype=torch.long)
+    for i, t in enumerate(torch.randperm(sum(blocks), generator=g).split(blocks)):
+        table[i, :len(t)] = t
+    queries = torch.tensor([q for _, q in seqs])
+    q = torch.randn(int(queries.sum()), kv_heads * group, dim, generator=g).to(dtype)
+    together = kernels.paged_decode_attention(q, cache[0], cache[1], table, torch.tensor([n for n, _ in seqs]),
+                                              dim ** -0.5, queries)
+    alone_table = table.repeat_interleave(queries, dim=0)
+    alone_lens = torch.tensor([n - (nq - 1 - i) for n, nq in seqs for i in range(nq)])
+    alone = kernels.paged_decode_attention(q, cache[0], cache[1], alone_table, alone_lens, dim ** -0.5)
+    assert torch.equal(together, alone)
+
+
+def test_queries_that_do_not_fit_their_sequences_are_refused() -> None:
+    cache = torch.zeros(2, 2, 16, 1, 64)
+    q, table, lens = torch.zeros(3, 2, 64), torch.zeros(2, 1, dtype=torch.long), torch.tensor([4, 2])
+    for queries in ([2, 2], [3, 0], [0, 3]):  # 4 rows; a sequence of none; 3 queries on 2 keys
+        with pytest.raises(ValueError, match="queries must number 3"):
+            kernels.paged_decode_attention(q, cache[0], cache[1], table, lens, 0.125, torch.tensor(queries))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.paged_decode_attention(q, cache[0], cache[1], table, lens, 0.125)
+    assert kernels.paged_decode_attention(q, cache[0], cache[1], table, lens, 0.125, torch.tensor([1, 2])).shape == (3, 2, 64)

@@ -17,10 +17,11 @@ def test_the_pytorch_path_passes_parity_batching_and_preemption() -> None:
     env = {**os.environ, "TOKENMILL_DISABLE_KERNELS": "1"}
     probe = subprocess.run(
         [sys.executable, "-c", "from tokenmill.engine import kernels; "
-         "from tokenmill.engine.kernels import grouped_experts, prefill_attention as p; import torch; "
-         "print(kernels.available(), grouped_experts.available(torch.float32), p.supported(torch.float32, 64))"],
+         "from tokenmill.engine.kernels import grouped_experts, layer_ops, prefill_attention as p; import torch; "
+         "print(kernels.available(), grouped_experts.available(torch.float32), p.supported(torch.float32, 64), "
+         "layer_ops.supports(torch.zeros(1)))"],
         env=env, cwd=ROOT, capture_output=True, text=True, check=True)
-    assert probe.stdout.split() == ["False", "False", "False"]
+    assert probe.stdout.split() == ["False"] * 4
     run = subprocess.run([sys.executable, "-m", "pytest", *FILES, "-p", "no:cacheprovider", "-rA"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

@@ -27,10 +27,14 @@ class SeqSpan:
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """Single-token queries, served by the native kernel straight from the blocks."""
-    rows: torch.Tensor  # int64 [n]: their rows in the flattened step, ascending
-    block_table: torch.Tensor  # int64 [n, max_blocks], padded with 0
-    context_lens: torch.Tensor  # int64 [n]
+    """Sequences whose queries each attend alone (a decode, and the drafts it verifies), served
+    by the native kernel straight from the blocks: sequence b's `queries[b]` rows are
+    consecutive, the last at the end of its `context_lens[b]` keys, each before it one key
+    shorter."""
+    rows: torch.Tensor  # int64 [n]: every query's row in the flattened step, ascending
+    block_table: torch.Tensor  # int64 [sequences, max_blocks], padded with 0
+    context_lens: torch.Tensor  # int64 [sequences]
+    queries: torch.Tensor  # int64 [sequences], summing to n
 
 
 @dataclass(slots=True)
@@ -65,12 +69,13 @@ def paged_attention(
     tokens, heads, dim = q.shape
     d = batch.decode
     if d is not None and not batch.spans and d.rows.numel() == tokens:  # rows 0..tokens-1: no gather
-        res = kernels.paged_decode_attention(q, kv_layer[0], kv_layer[1], d.block_table, d.context_lens, scale)
+        res = kernels.paged_decode_attention(q, kv_layer[0], kv_layer[1], d.block_table, d.context_lens, scale,
+                                             d.queries)
         return res.to(q.dtype).view(tokens, heads * dim)
     out = q.new_empty(tokens, heads, dim)
     if d is not None:
         res = kernels.paged_decode_attention(q.index_select(0, d.rows), kv_layer[0], kv_layer[1],
-                                             d.block_table, d.context_lens, scale)
+                                             d.block_table, d.context_lens, scale, d.queries)
         out.index_copy_(0, d.rows, res.to(q.dtype))
     for span in batch.spans:
         rows = slice(span.query_start, span.query_start + span.query_len)

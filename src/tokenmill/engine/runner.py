@@ -31,7 +31,7 @@ class StepPart:
     start: int
     blocks: np.ndarray  # int64, covering every position up to start + len(ids)
     # each row a lone query over the keys up to its own (a decode, its drafts): the native
-    # decode kernel's; otherwise one causal span
+    # decode kernel's, which reads their context once; otherwise one causal span
     single_queries: bool
     logits: int  # how many of its last rows give logits (0: none)
 
@@ -128,14 +128,14 @@ class TorchModelRunner:
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         spans: list[SeqSpan] = []
-        decodes: list[tuple[int, np.ndarray, int]] = []  # (row, blocks, context length)
+        decodes: list[tuple[int, np.ndarray, int, int]] = []  # (first row, blocks, context length, queries)
         logits_rows: list[int] = []
         bs = self.block_size
         for part in parts:
             end = part.start + len(part.ids)
             pos = np.arange(part.start, end, dtype=np.int64)
             if self.native_decode and part.single_queries:
-                decodes += [(len(ids) + i, part.blocks, part.start + i + 1) for i in range(len(part.ids))]
+                decodes.append((len(ids), part.blocks, end, len(part.ids)))
             else:
                 spans.append(SeqSpan(len(ids), len(part.ids), end, torch.from_numpy(part.blocks)))
             ids.extend(part.ids)
@@ -163,11 +163,13 @@ def _sample_rows(seq: ScheduledSeq) -> list[SampleRow]:
             for i in range(1 + len(drafts))]
 
 
-def _decode_batch(decodes: list[tuple[int, np.ndarray, int]]) -> DecodeBatch | None:
+def _decode_batch(decodes: list[tuple[int, np.ndarray, int, int]]) -> DecodeBatch | None:
     if not decodes:
         return None
-    table = np.zeros((len(decodes), max(len(b) for _, b, _ in decodes)), dtype=np.int64)
-    for i, (_, blocks, _) in enumerate(decodes):
+    table = np.zeros((len(decodes), max(len(b) for _, b, _, _ in decodes)), dtype=np.int64)
+    for i, (_, blocks, _, _) in enumerate(decodes):
         table[i, :len(blocks)] = blocks
-    return DecodeBatch(torch.tensor([r for r, _, _ in decodes], dtype=torch.long), torch.from_numpy(table),
-                       torch.tensor([n for _, _, n in decodes], dtype=torch.long))
+    rows = np.concatenate([np.arange(first, first + n, dtype=np.int64) for first, _, _, n in decodes])
+    return DecodeBatch(torch.from_numpy(rows), torch.from_numpy(table),
+                       torch.tensor([end for _, _, end, _ in decodes], dtype=torch.long),
+                       torch.tensor([n for _, _, _, n in decodes], dtype=torch.long))

@@ -103,7 +103,7 @@ def _library() -> ctypes.CDLL | None:
     lib = load_library("paged_attention.c")
     if lib is None:
         return None
-    args = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    args = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
     for name in ("paged_decode_attention_bf16", "paged_decode_attention_f32"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
@@ -115,23 +115,35 @@ def available() -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D]; k/v_cache [blocks, block_size, KVH, D] (contiguous, same dtype as q);
-    block_tables [B, max_blocks] int64; context_lens [B] int64 -> [B, H, D] float32. Sequences are
-    shared out over `torch.get_num_threads()` threads."""
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           queries: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, H, D]; k/v_cache [blocks, block_size, KVH, D] (contiguous, same dtype as q);
+    block_tables [B, max_blocks] int64; context_lens [B] int64 -> [N, H, D] float32.
+
+    Without `queries` each row of q is one sequence's last query (N = B). With `queries` [B]
+    int64, sequence b owns the next queries[b] rows (N = their sum), its last one at the end of
+    its context_lens[b] keys and each before it one key shorter: a decode and its drafts read
+    their context once. Sequences are shared out over `torch.get_num_threads()` threads."""
     lib = _library()
     if lib is None:
         raise RuntimeError("native kernels are not available")
     fn = {torch.bfloat16: lib.paged_decode_attention_bf16, torch.float32: lib.paged_decode_attention_f32}[q.dtype]
-    b, h, d = q.shape
+    n, h, d = q.shape
     _, bs, kvh, _ = k_cache.shape
+    b = context_lens.shape[0]
     if d > MAX_HEAD_DIM or h % kvh:
         raise ValueError(f"unsupported attention shape: heads {h}, kv heads {kvh}, head_dim {d}")
+    if block_tables.shape[0] != b or (queries is None and b != n) or (queries is not None and queries.shape != (b,)):
+        raise ValueError(f"{n} queries, {b} context lengths and {block_tables.shape[0]} block tables do not fit")
     q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
-    out = torch.empty(b, h, d, dtype=torch.float32)
-    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            context_lens.data_ptr(), out.data_ptr(), b, h, kvh, d, bs, block_tables.shape[1], scale,
-            torch.get_num_threads())
+    if queries is not None:
+        queries = queries.to(torch.int64).contiguous()
+    out = torch.empty(n, h, d, dtype=torch.float32)
+    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+            None if queries is None else queries.data_ptr(), out.data_ptr(), n, b, h, kvh, d, bs,
+            block_tables.shape[1], scale, torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"queries must number {n} in all, each sequence at least one and no more than its context")
     if rc != 0:
         raise MemoryError("native attention kernel could not allocate its scratch buffers")
     return out

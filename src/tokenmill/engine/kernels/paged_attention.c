@@ -1,13 +1,16 @@
-/* Paged decode attention for CPUs: one query token per sequence, K/V read in place
- * from the block-structured cache (no gather copy). Built at first use by
- * kernels/__init__.py and called through ctypes.
+/* Paged decode attention for CPUs: a sequence's last query token (a decode), or its last Q
+ * (a decode and the drafts it verifies), K/V read in place from the block-structured cache (no
+ * gather copy). Built at first use by kernels/__init__.py and called through ctypes.
  *
  * Layouts (row-major):
- *   q            [B, H, D]              (H = query heads)
+ *   q            [N, H, D]              (H = query heads; N = the sum of queries)
  *   k, v         [num_blocks, BS, KVH, D]   one layer's K or V
- *   block_tables [B, max_blocks] int64, context_lens [B] int64
- *   out          [B, H, D] float32
- * Each K/V row is read once per sequence; scores are kept in fp32.
+ *   block_tables [B, max_blocks] int64, context_lens [B] int64 (the context of the last query)
+ *   queries      [B] int64 summing to N, or NULL for one each (N = B): sequence b's rows follow b-1's, and
+ *                its query i (of Q) sees the first context_len - (Q - 1 - i) keys
+ *   out          [N, H, D] float32
+ * Each K/V row is read once per sequence, whatever Q; scores are kept in fp32. A query's result
+ * is the same bits as when it is computed alone: the rows past its own context get weight 0.
  */
 #include <float.h>
 #include <math.h>
@@ -30,7 +33,13 @@ static inline void prefetch_slice(const void *p, int64_t bytes, int part, int pa
 
 /* One sequence: qf [H, D] (scaled, fp32), its block table, `scores` [H, len] scratch, out [H, D]. */
 #define SEQ_ARGS(T) const float *qf, const T *k, const T *v, const int64_t *table, int64_t len, \
-                    float *scores, float *ob, int H, int KVH, int D, int BS
+                    float *scores, float *ob, int H, int KVH, int D, int BS, int Q
+
+/* Heads are ordered (KV head, query, head in group); query i of Q sees len - (Q - 1 - i) keys. */
+static inline int64_t head_len(int h, int H, int KVH, int Q, int64_t len) {
+    const int per_kv = H / KVH;
+    return len - (Q - 1 - (h % per_kv) / (per_kv / Q));
+}
 
 #define DEFINE_KERNEL(NAME, T, LOAD)                                                          \
 static void NAME(SEQ_ARGS(T)) {                                                               \
@@ -53,10 +62,12 @@ static void NAME(SEQ_ARGS(T)) {                                                 
         }                                                                                     \
     }                                                                                         \
     for (int h = 0; h < H; h++) {                                                             \
+        const int64_t n = head_len(h, H, KVH, Q, len);                                        \
         float *sh = scores + h * len, m = -FLT_MAX, sum = 0.f;                                \
-        for (int64_t t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;                          \
-        for (int64_t t = 0; t < len; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }          \
-        for (int64_t t = 0; t < len; t++) sh[t] /= sum;                                       \
+        for (int64_t t = 0; t < n; t++) m = sh[t] > m ? sh[t] : m;                            \
+        for (int64_t t = 0; t < n; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }            \
+        for (int64_t t = 0; t < n; t++) sh[t] /= sum;                                         \
+        for (int64_t t = n; t < len; t++) sh[t] = 0.f;                                        \
     }                                                                                         \
     memset(ob, 0, sizeof(float) * H * D);                                                     \
     for (int64_t t = 0; t < len; t++) {                                                       \
@@ -201,7 +212,11 @@ static void NAME(SEQ_ARGS(T)) {                                                 
                 NAME##_scores8(qf, rows, n, kh, group, D, len, t0, scores);                   \
             }                                                                                 \
         }                                                                                     \
-        for (int h = 0; h < H; h++) softmax_row(scores + h * len, len);                       \
+        for (int h = 0; h < H; h++) {                                                         \
+            const int64_t n = head_len(h, H, KVH, Q, len);                                    \
+            softmax_row(scores + h * len, n);                                                 \
+            memset(scores + h * len + n, 0, sizeof(float) * (len - n));                       \
+        }                                                                                     \
         memset(ob, 0, sizeof(float) * H * D);                                                 \
         /* block by block: a V block is fetched once, then every head's sums pass over it in L1 */ \
         for (int64_t t0 = 0; t0 < len; t0 += BS) {                                            \
@@ -233,26 +248,41 @@ DEFINE_AVX2(avx2_f32, float, load8_f32)
  * generic one. */
 struct decode_job {
     const void *q, *k, *v;
-    const int64_t *block_tables, *context_lens;
+    const int64_t *block_tables, *context_lens, *queries, *first_row;
     float *out, scale;
     int H, KVH, D, BS, max_blocks, bf16;
     atomic_int failed;
 };
 
+/* One sequence's Q queries: qf holds them scaled, in fp32, heads ordered (KV head, query, head
+ * in group) so that the kernel's heads of one KV head are all Q queries' (for Q = 1 that is
+ * q's own order, and the kernel writes straight into out). */
 #define DEFINE_SEQUENCE(NAME, T, LOAD, SUFFIX)                                                \
 static void NAME(const struct decode_job *jb, int b) {                                        \
-    const int H = jb->H, D = jb->D;                                                           \
-    const int64_t len = jb->context_lens[b];                                                  \
-    const T *q = (const T *)jb->q + (int64_t)b * H * D;                                       \
-    float *qf = malloc(sizeof(float) * H * D), *scores = malloc(sizeof(float) * H * (len > 0 ? len : 1)); \
-    if (qf && scores) {                                                                       \
-        for (int i = 0; i < H * D; i++) qf[i] = LOAD(q[i]) * jb->scale;                       \
+    const int H = jb->H, D = jb->D, KVH = jb->KVH, group = H / KVH;                           \
+    const int Q = jb->queries ? (int)jb->queries[b] : 1;                                      \
+    const int64_t len = jb->context_lens[b], row = jb->first_row ? jb->first_row[b] : b;      \
+    const T *q = (const T *)jb->q + row * H * D;                                              \
+    float *out = jb->out + row * H * D;                                                       \
+    float *qf = malloc(sizeof(float) * Q * H * D), *scores = malloc(sizeof(float) * Q * H * (len > 0 ? len : 1)); \
+    float *ob = Q == 1 ? out : malloc(sizeof(float) * Q * H * D);                             \
+    if (qf && scores && ob) {                                                                 \
+        for (int i = 0; i < Q; i++)                                                           \
+            for (int h = 0; h < H; h++) {                                                     \
+                const int to = (h / group * Q + i) * group + h % group;                       \
+                for (int d = 0; d < D; d++) qf[to * D + d] = LOAD(q[(i * H + h) * D + d]) * jb->scale; \
+            }                                                                                 \
         (VECTOR_OK(D) ? avx2_##SUFFIX : generic_##SUFFIX)(qf, jb->k, jb->v, jb->block_tables + (int64_t)b * jb->max_blocks, \
-                                                         len, scores, jb->out + (int64_t)b * H * D, H, jb->KVH, D, jb->BS); \
+                                                         len, scores, ob, Q * H, KVH, D, jb->BS, Q); \
+        if (Q > 1)                                                                            \
+            for (int i = 0; i < Q; i++)                                                       \
+                for (int h = 0; h < H; h++)                                                   \
+                    memcpy(out + (i * H + h) * D, ob + ((h / group * Q + i) * group + h % group) * D, sizeof(float) * D); \
     } else {                                                                                  \
         atomic_store((atomic_int *)&jb->failed, 1);                                           \
     }                                                                                         \
     free(qf); free(scores);                                                                   \
+    if (ob != out) free(ob);                                                                  \
 }
 DEFINE_SEQUENCE(sequence_bf16, uint16_t, bf16_to_f32, bf16)
 DEFINE_SEQUENCE(sequence_f32, float, LOAD_F32, f32)
@@ -263,30 +293,44 @@ static void decode_task(void *ctx, int b) {
     else sequence_f32(jb, b);
 }
 
-/* Threads only when the K/V to read is worth a thread's start (MIN_BYTES_PER_THREAD, parallel.h). */
+/* Threads only when the K/V to read is worth a thread's start (MIN_BYTES_PER_THREAD, parallel.h).
+ * Returns 0; -1 when scratch memory could not be allocated; -2 when the queries do not number N
+ * or a sequence has none or more than its context. */
 
 static int decode(const void *q, const void *k, const void *v, const int64_t *block_tables,
-                  const int64_t *context_lens, float *out, int B, int H, int KVH, int D, int BS,
-                  int max_blocks, float scale, int threads, int bf16) {
+                  const int64_t *context_lens, const int64_t *queries, float *out, int N, int B, int H,
+                  int KVH, int D, int BS, int max_blocks, float scale, int threads, int bf16) {
     struct decode_job jb = {.q = q, .k = k, .v = v, .block_tables = block_tables, .context_lens = context_lens,
-                            .out = out, .scale = scale, .H = H, .KVH = KVH, .D = D, .BS = BS,
-                            .max_blocks = max_blocks, .bf16 = bf16};
+                            .queries = queries, .out = out, .scale = scale, .H = H, .KVH = KVH, .D = D,
+                            .BS = BS, .max_blocks = max_blocks, .bf16 = bf16};
     atomic_init(&jb.failed, 0);
-    int64_t tokens = 0;
+    int64_t tokens = 0, rows = 0, *first_row = NULL;
+    if (queries) {
+        if ((first_row = malloc(sizeof(int64_t) * (B > 0 ? B : 1))) == NULL) return -1;
+        for (int b = 0; b < B; rows += queries[b], b++) {
+            if (queries[b] < 1 || queries[b] > context_lens[b]) { free(first_row); return -2; }
+            first_row[b] = rows;
+        }
+    } else {
+        rows = B;
+    }
+    if (rows != N) { free(first_row); return -2; }
+    jb.first_row = first_row;
     for (int b = 0; b < B; b++) tokens += context_lens[b];
     const int64_t most = tokens * 2 * KVH * D * (bf16 ? 2 : 4) / MIN_BYTES_PER_THREAD;
     parallel_for(decode_task, &jb, B, most < 1 ? 1 : most < threads ? (int)most : threads);
+    free(first_row);
     return atomic_load(&jb.failed) ? -1 : 0;
 }
 
 int paged_decode_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *block_tables,
-                                const int64_t *context_lens, float *out, int B, int H, int KVH, int D, int BS,
-                                int max_blocks, float scale, int threads) {
-    return decode(q, k, v, block_tables, context_lens, out, B, H, KVH, D, BS, max_blocks, scale, threads, 1);
+                                const int64_t *context_lens, const int64_t *queries, float *out, int N, int B,
+                                int H, int KVH, int D, int BS, int max_blocks, float scale, int threads) {
+    return decode(q, k, v, block_tables, context_lens, queries, out, N, B, H, KVH, D, BS, max_blocks, scale, threads, 1);
 }
 
 int paged_decode_attention_f32(const float *q, const float *k, const float *v, const int64_t *block_tables,
-                               const int64_t *context_lens, float *out, int B, int H, int KVH, int D, int BS,
-                               int max_blocks, float scale, int threads) {
-    return decode(q, k, v, block_tables, context_lens, out, B, H, KVH, D, BS, max_blocks, scale, threads, 0);
+                               const int64_t *context_lens, const int64_t *queries, float *out, int N, int B,
+                               int H, int KVH, int D, int BS, int max_blocks, float scale, int threads) {
+    return decode(q, k, v, block_tables, context_lens, queries, out, N, B, H, KVH, D, BS, max_blocks, scale, threads, 0);
 }

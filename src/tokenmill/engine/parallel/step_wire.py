@@ -33,7 +33,7 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, batch: Attention
         "logits": _array(logits_rows), "native_prefill": batch.native_prefill,
         "spans": [[s.query_start, s.query_len, s.context_len, _array(s.block_ids)] for s in batch.spans],
         "decode": None if decode is None else [_array(decode.rows), _array(decode.block_table),
-                                               _array(decode.context_lens)],
+                                               _array(decode.context_lens), _array(decode.queries)],
     })
 
 
