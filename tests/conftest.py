@@ -1,4 +1,5 @@
-"""Shared fixtures: small checkpoints written once per test session."""
+"""Shared fixtures: small checkpoints written once per test session; and the longest test files
+collected first."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,6 +7,23 @@ from pathlib import Path
 import pytest
 
 from tokenmill.engine.make_model import write_model
+
+# The files that take a minute or more of a `make test` run (their servers' starts, vLLM's
+# above all), longest first. `--dist loadfile` hands files out in collection order as workers
+# free up, so these go first: a long file handed out last would leave the other worker idle
+# while it runs. An order only: a file missing here runs all the same, in its usual place.
+LONGEST_FIRST = ("engines_vllm/test_vllm_worker.py", "engines_vllm/test_vllm_disagg.py",
+                 "disagg/test_disagg_serving.py", "serving/test_dashboard.py", "serving/test_parallel_serving.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).parent
+
+    def rank(item: pytest.Item) -> int:
+        name = item.path.relative_to(tests_dir).as_posix() if item.path.is_relative_to(tests_dir) else ""
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order, the other files theirs
 
 
 @pytest.fixture(scope="session")

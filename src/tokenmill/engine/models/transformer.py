@@ -49,7 +49,6 @@ class Attention(nn.Module):
         out = self.o_proj(paged_attention(q, kv_layer, batch, self.scale))
         return out if self.reduce is None else self.reduce(out)
 
-
     @staticmethod
     def _rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                           kv_layer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
