@@ -36,9 +36,12 @@ system-packages:
 # time (files share their servers); then the tests that compare live timing with modelled time,
 # apart from that load, which would skew them, two at a time: they mostly wait on modelled time.
 # The host's speed is printed first: the same suite takes 1.4-2.2x longer on this host in a busy hour.
+# The package's modules are compiled once, before the many server processes the tests start
+# import them (where PYTHONDONTWRITEBYTECODE is set, as on this host, each would compile its own).
 test: install install-vllm system-packages
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/python scripts/host_speed.py
+	$(BIN)/python -m compileall -q src
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m 'not solo'
 	$(BIN)/python -m pytest -n 2 --dist load -m solo
 
