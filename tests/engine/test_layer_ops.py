@@ -2,6 +2,8 @@
 both dtypes, on both vector builds, and whatever rows lie beside a row."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,8 +41,7 @@ def test_rms_norm_of_a_row_is_the_same_alone_in_a_batch_and_without_avx512(tmp_p
     for r in (0, 17, 39):
         assert torch.equal(layer_ops.rms_norm(x[r:r + 1], weight, 1e-6)[0], batch[r])
     lib = build_without_avx512("layer_ops.c", tmp_path)
-    lib.tm_rms_norm_f32.argtypes = [layer_ops.ctypes.c_void_p] * 3 + [
-        layer_ops.ctypes.c_int64, layer_ops.ctypes.c_int, layer_ops.ctypes.c_float, layer_ops.ctypes.c_int]
+    lib.tm_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_int]
     out = torch.empty_like(x)
     assert lib.tm_rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), 40, 200, 1e-6, 2) == 0
     assert torch.equal(out, batch)

@@ -18,29 +18,31 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
+def _functions() -> dict[torch.dtype, tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]] | None:
+    """(RMSNorm, rope-and-store) per dtype; None where the kernels cannot be built."""
     lib = load_library("layer_ops.c")
     if lib is None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for suffix in _SUFFIX.values():
+    functions = {}
+    for dtype, suffix in _SUFFIX.items():
         norm = getattr(lib, f"tm_rms_norm_{suffix}")
         norm.argtypes, norm.restype = [p, p, p, i64, i32, ctypes.c_float, i32], i32
         rope = getattr(lib, f"tm_rope_store_{suffix}")
         rope.argtypes, rope.restype = [p, i64, p, i64, p, i64, p, p, p, p, p, i64, i64, i32, i32, i32, i32], i32
-    return lib
-
-
-@cache
-def _functions(dtype: torch.dtype) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the layer-op kernels are not available")
-    return getattr(lib, f"tm_rms_norm_{_SUFFIX[dtype]}"), getattr(lib, f"tm_rope_store_{_SUFFIX[dtype]}")
+        functions[dtype] = (norm, rope)
+    return functions
 
 
 def supports(x: torch.Tensor) -> bool:
-    return x.dtype in _SUFFIX and x.device.type == "cpu" and not torch.is_grad_enabled() and _library() is not None
+    return x.dtype in _SUFFIX and x.device.type == "cpu" and not torch.is_grad_enabled() and _functions() is not None
+
+
+def _for(dtype: torch.dtype) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
+    functions = _functions()
+    if functions is None or dtype not in functions:
+        raise RuntimeError(f"no layer-op kernels for {dtype} here")
+    return functions[dtype]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,7 +53,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"RMSNorm weight {weight.dtype} {tuple(weight.shape)} does not fit x {x.dtype} {tuple(x.shape)}")
     x = x.contiguous()
     out = torch.empty_like(x)
-    _functions(x.dtype)[0](x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+    _for(x.dtype)[0](x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
                            torch.get_num_threads())
     return out
 
@@ -73,7 +75,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     if slots.dtype != torch.int64 or not slots.is_contiguous():
         slots = slots.to(torch.int64).contiguous()
     rows = k_cache.numel() // (kv_heads * dim)
-    if _functions(dtype)[1](q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+    if _for(dtype)[1](q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                             cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             rows, tokens, heads, kv_heads, dim, torch.get_num_threads()):
         raise IndexError(f"rope_store: a slot outside the cache's {rows} rows")
