@@ -29,6 +29,7 @@ from tokenmill.engine.speculative import (
     num_accepted,
     pause_after,
     propose_ngram,
+    trusted_drafts,
 )
 from tokenmill.textgen.sampling import SamplingParams
 
@@ -61,14 +62,25 @@ def _drafted(engine: LLMEngine) -> tuple[int, int]:
 
 def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     spec = SpeculativeConfig("ngram", 3)
-    # the suffix (7, 8) last occurred at index 4, followed by 9, 1, 2
-    assert propose_ngram([7, 8, 5, 6, 7, 8, 9, 1, 2, 3, 7, 8], spec) == [9, 1, 2]
-    # a longer match wins over a later shorter one: (5, 6, 7) occurs once, followed by 1
+    # the suffix (7, 8) last occurred at index 4, followed by 9, 1, 2: two drafts from a 2-token match
+    assert propose_ngram([7, 8, 5, 6, 7, 8, 9, 1, 2, 3, 7, 8], spec) == [9, 1]
+    # a longer match wins over a later shorter one: (5, 6, 7) occurs once, followed by 1, 4, 7, 2
     assert propose_ngram([5, 6, 7, 1, 4, 7, 2, 5, 6, 7], spec) == [1, 4, 7]
+    assert propose_ngram([5, 6, 7, 1, 4, 7, 2, 5, 6, 7], SpeculativeConfig("ngram", 4)) == [1, 4, 7, 2]
     assert propose_ngram([1, 2, 3, 4], spec) == []  # nothing repeats
     assert propose_ngram([1, 2, 1, 2], spec, limit=1) == [1]
     assert propose_ngram([1, 2, 1, 2], spec, limit=0) == []
     assert propose_ngram([4, 4], spec) == [4]  # the match may run into the suffix itself
+    # matches of up to 5 tokens are told apart: (2, 9, 1, 2, 3) occurred at 6, (1, 2, 3) later at 12
+    tokens = [1, 2, 3, 8, 8, 8, 2, 9, 1, 2, 3, 5, 1, 2, 3, 6, 6, 2, 9, 1, 2, 3]
+    assert propose_ngram(tokens, spec) == [5, 1, 2]
+    assert propose_ngram(tokens, SpeculativeConfig("ngram", 3, max_ngram=3)) == [6, 6, 2]
+
+
+def test_a_match_is_trusted_for_as_many_drafts_as_it_is_long_up_to_all_k() -> None:
+    spec = SpeculativeConfig("ngram", 4)
+    assert [trusted_drafts(n, spec) for n in range(1, 7)] == [1, 2, 4, 4, 4, 4]
+    assert [trusted_drafts(n, SpeculativeConfig("ngram", 1)) for n in (1, 2, 3)] == [1, 1, 1]
 
 
 def test_acceptance_counts_the_confirmed_leading_drafts() -> None:
@@ -78,8 +90,8 @@ def test_acceptance_counts_the_confirmed_leading_drafts() -> None:
     assert num_accepted([], [4]) == 0
 
 
-def test_a_request_drafts_one_more_than_it_last_had_accepted() -> None:
-    spec = SpeculativeConfig("ngram", 4)
+def test_a_draft_model_request_drafts_one_more_than_it_last_had_accepted() -> None:
+    spec = SpeculativeConfig("draft", 4, draft_model="unused")
     assert next_draft_limit(0, spec) == 1  # not copying: one draft a step
     assert next_draft_limit(1, spec) == 2  # copying again: it grows
     assert next_draft_limit(4, spec) == 4  # never past the configured K
