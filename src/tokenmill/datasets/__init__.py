@@ -1,4 +1,4 @@
-"""Real data shipped with tokenmill: measured deployments and request traces.
+"""Real data shipped with tokenmill: measured deployments, request traces and code to edit.
 
 A user's clone has nothing beside it, so what the simulator, the benchmarks and the tests
 read lives here, inside the package (SOURCES.md gives each file's origin and license).
@@ -16,6 +16,7 @@ SILICON = Path("silicon/silicon_measured.csv")
 MOONCAKE_TRACE = Path("traces/mooncake_synthetic_trace.jsonl")
 AZURE_CONV_TRACE = Path("traces/AzureLLMInferenceTrace_conv_2023.csv")
 AZURE_CODE_TRACE = Path("traces/AzureLLMInferenceTrace_code_2023.csv")
+CODE_FUNCTIONS = Path("code/tokenmill_functions.jsonl")  # shipped only: not in the shared data
 
 
 def data_dir(explicit: str | Path | None = None) -> Path:

@@ -18,7 +18,7 @@ from tokenmill.engine.request import Request
 from tokenmill.engine.runner_protocol import KVAllocator, ModelRunner, Sampled
 from tokenmill.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.speculative import Drafter
-from tokenmill.engine.stats import EngineStats, request_blocks
+from tokenmill.engine.stats import EngineStats, StepCounters, request_blocks
 from tokenmill.kv.block_pool import BlockPool
 from tokenmill.kv.cache_manager import KVCacheManager
 from tokenmill.kv.events import KVEventEmitter
@@ -57,8 +57,7 @@ class LLMEngine:
         self.handoff = KVHandoff(self.scheduler, self.kv)
         self.tiers = self._attach_tiers() if config.kv_tiers_enabled else None
         self.requests: dict[str, Request] = {}
-        self._counters = dict(steps=0, prefill=0, decode=0, decode_steps=0, preemptions=0)
-        self._seconds = dict(prefill=0.0, decode=0.0)
+        self.counters = StepCounters()
 
     def _rank_schedulers(self, num_blocks: int) -> tuple[list[BlockPool], list[KVCacheManager], list[Scheduler]]:
         """A block pool, its KV manager and a scheduler per attention data-parallel rank (one
@@ -272,7 +271,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outs = [scheduler.schedule() for scheduler in self.schedulers]
-        self._counters["preemptions"] += sum(len(out.preempted) for out in outs)
+        self.counters.preemptions += sum(len(out.preempted) for out in outs)
         for request_id in (r for out in outs for r in out.preempted):
             self.drafter.release(request_id)  # its draft K/V too: the pool is short
         if not any(outs):
@@ -282,7 +281,8 @@ class LLMEngine:
             sampled = self.runner.execute(outs[0], self.kv)
         else:  # attention data parallel: every rank steps together, idle ones included
             sampled = self.runner.execute_ranks(outs, self.kvs)  # type: ignore[attr-defined]
-        self._record_step(outs, time.perf_counter() - t0)
+        self.counters.record_step(sum(out.num_prefill_tokens for out in outs),
+                                  sum(out.num_decode_seqs for out in outs), time.perf_counter() - t0)
         results = []
         for scheduler, out in zip(self.schedulers, outs):
             results += self._process(scheduler, out, sampled)
@@ -291,17 +291,6 @@ class LLMEngine:
                         if s.request.request_id in sampled and not s.request.is_finished]
             self.drafter.propose(decoding, self.requests)
         return results
-
-    def _record_step(self, outs: list[SchedulerOutput], seconds: float) -> None:
-        prefill = sum(out.num_prefill_tokens for out in outs)
-        self._counters["steps"] += 1
-        self._counters["prefill"] += prefill
-        self._counters["decode"] += sum(out.num_decode_seqs for out in outs)
-        if prefill:
-            self._seconds["prefill"] += seconds
-        else:
-            self._seconds["decode"] += seconds
-            self._counters["decode_steps"] += 1
 
     def _process(self, scheduler: Scheduler, out: SchedulerOutput, sampled: Sampled) -> list[RequestOutput]:
         """Each sequence's step recorded; an output for each that sampled (in step order)."""
@@ -378,7 +367,7 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion in one batch; the output token ids of each, in order."""
-        ids = [f"gen-{self._counters['steps']}-{i}" for i in range(len(prompts))]
+        ids = [f"gen-{self.counters.steps}-{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):
             self.add_request(rid, prompt, params)
         done: dict[str, list[int]] = {rid: [] for rid in ids}
@@ -390,7 +379,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A consistent view only on the engine's own thread (AsyncLLMEngine.stats)."""
-        c, s = self._counters, self._seconds
+        c = self.counters
         held = request_blocks((r for s in self.schedulers for r in (*s.running, *s.waiting)), self.config.block_size)
         prefill_blocks = sum(p for p, _ in held.values())
         decode_blocks = sum(d for _, d in held.values())
@@ -402,9 +391,9 @@ class LLMEngine:
             num_waiting=sum(len(s.waiting) for s in self.schedulers),
             kv_usage=1.0 - free / total, num_free_blocks=free, num_blocks=total,
             prefix_hit_rate=hits / queried if queried else 0.0,
-            num_steps=c["steps"], prefill_tokens=c["prefill"], decode_tokens=c["decode"],
-            prefill_step_seconds=s["prefill"], decode_step_seconds=s["decode"],
-            num_decode_only_steps=c["decode_steps"], num_preemptions=c["preemptions"],
+            num_steps=c.steps, prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
+            prefill_step_seconds=c.prefill_seconds, decode_step_seconds=c.decode_seconds,
+            num_decode_only_steps=c.decode_only_steps, num_preemptions=c.preemptions,
             prefill_blocks=prefill_blocks, decode_blocks=decode_blocks, request_blocks=held,
             onboarded_tokens=self.kv.stats.onboarded_tokens, queried_tokens=queried, device_hit_tokens=hits,
             num_held=len(self.handoff.held), num_importing=len(self.handoff.importing),

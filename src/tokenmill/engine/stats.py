@@ -21,6 +21,28 @@ def request_blocks(requests: Iterable[Request], block_size: int) -> dict[str, tu
 
 
 @dataclass(slots=True)
+class StepCounters:
+    """The own engine's running totals, from its start (`EngineStats` reports them)."""
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0  # a decoding sequence's rows in a step count one, whatever its drafts
+    decode_only_steps: int = 0
+    preemptions: int = 0
+    prefill_seconds: float = 0.0  # steps that computed any prefill tokens
+    decode_seconds: float = 0.0  # steps that only decoded
+
+    def record_step(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
+        self.steps += 1
+        self.prefill_tokens += prefill_tokens
+        self.decode_tokens += decode_seqs
+        if prefill_tokens:
+            self.prefill_seconds += seconds
+        else:
+            self.decode_seconds += seconds
+            self.decode_only_steps += 1
+
+
+@dataclass(slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int

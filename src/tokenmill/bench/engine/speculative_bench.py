@@ -3,8 +3,9 @@ drafts, or a draft model's with `--speculative draft:DIR`), on a code load with 
 
 The load is code editing as an agent sends it: each request asks the model to add a docstring to
 one Python function and return the whole function, so most of the answer copies the prompt. The
-functions are tokenmill's own (its installed source: real code, nothing to download), drawn
-seeded among the top-level functions of 8 to 40 lines. Both engines load the same checkpoint in
+functions are tokenmill's own, drawn seeded from a snapshot shipped in `datasets/code/` (64
+top-level functions of 8 to 40 lines), so that the load stays the same from one commit to the
+next. Both engines load the same checkpoint in
 this process and run the same prompt ids greedily, alternating (plain, speculative, plain, ...);
 the texts must be identical. Reported: output tok/s of each side and their ratio, drafts
 accepted per drafted, and tokens a request emits per decode step, the figure the simulator takes
@@ -13,7 +14,6 @@ as `sim --mtp K --mtp-acceptance X`. JSON with `--json OUT` (schema "tokenmill.b
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import logging
 import random
@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-import tokenmill
+from tokenmill.datasets import CODE_FUNCTIONS, SHIPPED
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def code_prompts(count: int, seed: int) -> list[str]:
-    """`count` editing requests over top-level functions of tokenmill's own source."""
-    functions = []
-    for path in sorted(Path(tokenmill.__file__).parent.rglob("*.py")):
-        source = path.read_text()
-        for node in ast.parse(source).body:
-            if isinstance(node, ast.FunctionDef) and 8 <= node.end_lineno - node.lineno + 1 <= 40:
-                functions.append(ast.get_source_segment(source, node))
+    """`count` editing requests over the shipped functions (all of them when count is larger)."""
+    lines = (SHIPPED / CODE_FUNCTIONS).read_text(encoding="utf-8").splitlines()
+    functions = [json.loads(line)["code"] for line in lines]
     picked = random.Random(seed).sample(functions, min(count, len(functions)))
     return [f"{INSTRUCTION}\n```python\n{code}\n```" for code in picked]
 
