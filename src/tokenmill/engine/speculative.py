@@ -48,7 +48,7 @@ TRUSTED_MATCH = 3
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"  # or "draft"
-    num_tokens: int = 4  # the most drafts a request proposes for a step (next_draft_limit)
+    num_tokens: int = 4  # the most drafts a request proposes for a step (trusted_drafts, next_draft_limit)
     min_ngram: int = 1  # prompt lookup: match the last n tokens, n from max_ngram down to min_ngram
     max_ngram: int = 5
     draft_model: str | None = None  # the draft model's checkpoint directory (method "draft")
