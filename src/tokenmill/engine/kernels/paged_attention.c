@@ -94,13 +94,18 @@ DEFINE_KERNEL(generic_f32, float, LOAD_F32)
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* ---- AVX2 + FMA: the same function, vectorised ------------------------------------------
- * Pass 1 takes 8 tokens at a time: per query head, 8 dot products accumulate side by side
- * and one transpose-add turns them into 8 scores (instead of a horizontal sum per score).
- * Softmax uses a vector exp. Pass 2 keeps up to 2 heads x 32 dims of output in registers
- * while it walks every token, so each V cache line is read once and no sum goes to memory. */
+ * A tile keeps HEADS query heads of one KV head in registers with 4 tokens of scores (pass 1)
+ * or 32 dims of output (pass 2): 12 of the 16 registers hold sums, so each K or V load feeds
+ * HEADS FMAs and 12 independent sums hide the FMA latency. Pass 1 turns each head's 4 dot
+ * products into 4 scores with one transpose-add; softmax uses a vector exp; pass 2 goes a block
+ * at a time, so a V block is fetched once and every head's sums pass over it in L1. */
 #include <immintrin.h>
 
-static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+#define HEADS 3
+#define TILE_TOKENS 4
+/* GCC keeps a tile's sums in registers only when the loops over them are unrolled; rolled, it
+ * stored all 12 to the stack on every token and pass 2 ran at half speed. */
+#define UNROLL _Pragma("GCC unroll 4")
 
 /* The next block is fetched a slice per KV head, between the computations, rather than in one
  * burst at the block's start: a burst fills the load queue that the block being computed needs,
@@ -109,12 +114,15 @@ static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
  * better). */
 #define AHEAD 1
 
+static inline __attribute__((always_inline)) __m256 load8(const char *p, const int bf16) {
+    return bf16 ? widen8_bf16((const uint16_t *)p) : _mm256_loadu_ps((const float *)p);
+}
 
-/* lane i = the sum of a[i]'s eight lanes */
-static inline __m256 sum8x8(const __m256 a[8]) {
-    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+/* lane i = the sum of a_i's eight lanes, added in the same order for every i: a score does not
+ * depend on the tile it was computed in */
+static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
 /* In place over n scores: exp(s - max) / sum. */
@@ -141,101 +149,148 @@ static void softmax_row(float *s, int64_t n) {
     for (int64_t u = t; u < n; u++) s[u] /= sum;
 }
 
-#define DEFINE_AVX2(NAME, T, LOAD8)                                                           \
-/* scores[h * len + t0 + i] for the n (<= 8) tokens at rows[i] of KV head kh's group */       \
-static void NAME##_scores8(const float *qf, const T *const rows[8], int n, int kh, int group,  \
-                           int D, int64_t len, int64_t t0, float *scores) {                   \
-    for (int g = 0; g < group; g++) {                                                         \
-        const int h = kh * group + g;                                                         \
-        __m256 acc[8];                                                                        \
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();                             \
-        for (int d = 0; d < D; d += 8) {                                                      \
-            const __m256 qv = _mm256_loadu_ps(qf + h * D + d);                                \
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, LOAD8(rows[i] + d), acc[i]); \
-        }                                                                                     \
-        float s[8];                                                                           \
-        _mm256_storeu_ps(s, sum8x8(acc));                                                     \
-        memcpy(scores + h * len + t0, s, sizeof(float) * n);                                  \
-    }                                                                                         \
-}                                                                                             \
-/* out[j][0..8*nc) += sum_t p[j * pstride + t] * V_t[col..col+8*nc) over tokens t0..t1 of one   \
- * block, for the nh (<= 2) heads j: nh x nc <= 8 sums stay in registers across the block. */  \
-static inline __attribute__((always_inline)) void NAME##_pv_n(                                \
-        const T *vblock, int64_t row, int64_t t0, int64_t t1, int col,                        \
-        const float *p, int64_t pstride, const int nh, const int nc, float *out, int D) {     \
-    __m256 acc[2][4];                                                                         \
-    for (int j = 0; j < nh; j++)                                                              \
-        for (int c = 0; c < nc; c++) acc[j][c] = _mm256_loadu_ps(out + j * D + 8 * c);        \
-    for (int64_t t = t0; t < t1; t++) {                                                       \
-        const T *vrow = vblock + (t - t0) * row + col;                                        \
-        __m256 vv[4];                                                                         \
-        for (int c = 0; c < nc; c++) vv[c] = LOAD8(vrow + 8 * c);                             \
-        for (int j = 0; j < nh; j++) {                                                        \
-            const __m256 pj = _mm256_set1_ps(p[j * pstride + t]);                             \
-            for (int c = 0; c < nc; c++) acc[j][c] = _mm256_fmadd_ps(pj, vv[c], acc[j][c]);   \
-        }                                                                                     \
-    }                                                                                         \
-    for (int j = 0; j < nh; j++)                                                              \
-        for (int c = 0; c < nc; c++) _mm256_storeu_ps(out + j * D + 8 * c, acc[j][c]);         \
-}                                                                                             \
-static void NAME##_pv(const T *vblock, int64_t row, int64_t t0, int64_t t1, int col,          \
-                      const float *p, int64_t pstride, int nh, int nc, float *out, int D) {   \
-    switch (nh * 4 + nc) {                                                                    \
-    case 5: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 1, 1, out, D); break;           \
-    case 6: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 1, 2, out, D); break;           \
-    case 7: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 1, 3, out, D); break;           \
-    case 8: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 1, 4, out, D); break;           \
-    case 9: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 2, 1, out, D); break;           \
-    case 10: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 2, 2, out, D); break;          \
-    case 11: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 2, 3, out, D); break;          \
-    default: NAME##_pv_n(vblock, row, t0, t1, col, p, pstride, 2, 4, out, D); break;          \
-    }                                                                                         \
-}                                                                                             \
-static void NAME(SEQ_ARGS(T)) {                                                               \
-    const int group = H / KVH;                                                                \
-    const int64_t row = (int64_t)KVH * D;                                                     \
-    {                                                                                         \
-        for (int64_t t0 = 0; t0 < len; t0 += 8) {                                            \
-            const int n = len - t0 < 8 ? (int)(len - t0) : 8;                                 \
-            const T *tok[8];                                                                  \
-            for (int i = 0; i < 8; i++) {                                                     \
-                const int64_t t = t0 + (i < n ? i : n - 1);                                   \
-                tok[i] = k + (table[t / BS] * BS + t % BS) * row;                             \
-            }                                                                                 \
-            /* the same 8 tokens' rows one block ahead */                                    \
-            const int64_t ahead = t0 + AHEAD * BS;                                            \
-            const char *next = ahead < len ? (const char *)(k + (table[ahead / BS] * BS + ahead % BS) * row) : NULL; \
-            for (int kh = 0; kh < KVH; kh++) {                                                \
-                const T *rows[8];                                                             \
-                for (int i = 0; i < 8; i++) rows[i] = tok[i] + kh * D;                        \
-                prefetch_slice(next, 8 * row * (int64_t)sizeof(T), kh, KVH);                  \
-                NAME##_scores8(qf, rows, n, kh, group, D, len, t0, scores);                   \
-            }                                                                                 \
-        }                                                                                     \
-        for (int h = 0; h < H; h++) {                                                         \
-            const int64_t n = head_len(h, H, KVH, Q, len);                                    \
-            softmax_row(scores + h * len, n);                                                 \
-            memset(scores + h * len + n, 0, sizeof(float) * (len - n));                       \
-        }                                                                                     \
-        memset(ob, 0, sizeof(float) * H * D);                                                 \
-        /* block by block: a V block is fetched once, then every head's sums pass over it in L1 */ \
-        for (int64_t t0 = 0; t0 < len; t0 += BS) {                                            \
-            const T *vblock = v + table[t0 / BS] * BS * row;                                  \
-            const int64_t t1 = t0 + BS < len ? t0 + BS : len;                                 \
-            const char *next = t0 + AHEAD * BS < len ? (const char *)(v + table[t0 / BS + AHEAD] * BS * row) : NULL; \
-            for (int kh = 0; kh < KVH; kh++) {                                                \
-                prefetch_slice(next, BS * row * (int64_t)sizeof(T), kh, KVH);                 \
-                for (int g0 = 0; g0 < group; g0 += 2)                                         \
-                    for (int d0 = 0; d0 < D; d0 += 32)                                        \
-                        NAME##_pv(vblock, row, t0, t1, kh * D + d0, scores + (kh * group + g0) * len, \
-                                  len, group - g0 < 2 ? 1 : 2, (D - d0) / 8 < 4 ? (D - d0) / 8 : 4, \
-                                  ob + (kh * group + g0) * D + d0, D);                        \
-            }                                                                                 \
-        }                                                                                     \
-    }                                                                                         \
+/* dst[j * len + i] = q_j . K_i for the nh (<= HEADS) heads at qh (D apart) and the 4 token rows
+ * at tok[i] (this KV head's slice of each); the first n are stored */
+static inline __attribute__((always_inline)) void qk_tile(const float *qh, const char *const tok[TILE_TOKENS],
+                                                          const int nh, int n, int D, int64_t len, float *dst,
+                                                          const int bf16) {
+    __m256 acc[HEADS][TILE_TOKENS];
+    UNROLL for (int j = 0; j < nh; j++)
+        UNROLL for (int i = 0; i < TILE_TOKENS; i++) acc[j][i] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256 qv[HEADS];
+        UNROLL for (int j = 0; j < nh; j++) qv[j] = _mm256_loadu_ps(qh + j * D + d);
+        UNROLL for (int i = 0; i < TILE_TOKENS; i++) {
+            const __m256 kv = load8(tok[i] + d * (bf16 ? 2 : 4), bf16);
+            UNROLL for (int j = 0; j < nh; j++) acc[j][i] = _mm256_fmadd_ps(qv[j], kv, acc[j][i]);
+        }
+    }
+    UNROLL for (int j = 0; j < nh; j++) {
+        const __m128 s = sum4x8(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+        if (n == TILE_TOKENS) {
+            _mm_storeu_ps(dst + j * len, s);
+        } else {
+            float part[TILE_TOKENS];
+            _mm_storeu_ps(part, s);
+            memcpy(dst + j * len, part, sizeof(float) * n);
+        }
+    }
 }
-DEFINE_AVX2(avx2_bf16, uint16_t, widen8_bf16)
-DEFINE_AVX2(avx2_f32, float, load8_f32)
+
+/* out[j * D + 8c ..] += sum_t p[j * len + t] * V_t[8c ..] over the n rows at vrows (row bytes
+ * apart), for the nh (<= HEADS) heads and nc (<= 4) 8-dim columns: the sums stay in registers
+ * across the rows, each head's added in token order */
+static inline __attribute__((always_inline)) void pv_tile(const char *vrows, int64_t row, int n, const float *p,
+                                                          int64_t len, const int nh, const int nc, float *out,
+                                                          int D, const int bf16) {
+    __m256 acc[HEADS][4];
+    UNROLL for (int j = 0; j < nh; j++)
+        UNROLL for (int c = 0; c < nc; c++) acc[j][c] = _mm256_loadu_ps(out + j * D + 8 * c);
+    for (int t = 0; t < n; t++) {
+        const char *vr = vrows + t * row;
+        __m256 pj[HEADS];
+        UNROLL for (int j = 0; j < nh; j++) pj[j] = _mm256_broadcast_ss(p + j * len + t);
+        UNROLL for (int c = 0; c < nc; c++) {
+            const __m256 vv = load8(vr + 8 * c * (bf16 ? 2 : 4), bf16);
+            UNROLL for (int j = 0; j < nh; j++) acc[j][c] = _mm256_fmadd_ps(pj[j], vv, acc[j][c]);
+        }
+    }
+    UNROLL for (int j = 0; j < nh; j++)
+        UNROLL for (int c = 0; c < nc; c++) _mm256_storeu_ps(out + j * D + 8 * c, acc[j][c]);
+}
+
+/* One compiled tile per shape: the register counts must be constants. */
+static void qk_any(const float *qh, const char *const tok[TILE_TOKENS], int nh, int n, int D, int64_t len,
+                   float *dst, int bf16) {
+    switch (nh * 2 + bf16) {
+    case 2: qk_tile(qh, tok, 1, n, D, len, dst, 0); break;
+    case 3: qk_tile(qh, tok, 1, n, D, len, dst, 1); break;
+    case 4: qk_tile(qh, tok, 2, n, D, len, dst, 0); break;
+    case 5: qk_tile(qh, tok, 2, n, D, len, dst, 1); break;
+    case 6: qk_tile(qh, tok, 3, n, D, len, dst, 0); break;
+    default: qk_tile(qh, tok, 3, n, D, len, dst, 1); break;
+    }
+}
+
+#define PV_CASE(NH, NC)                                                                       \
+    case NH * 8 + NC * 2:     pv_tile(vrows, row, n, p, len, NH, NC, out, D, 0); break;       \
+    case NH * 8 + NC * 2 + 1: pv_tile(vrows, row, n, p, len, NH, NC, out, D, 1); break;
+static void pv_any(const char *vrows, int64_t row, int n, const float *p, int64_t len, int nh, int nc,
+                   float *out, int D, int bf16) {
+    switch (nh * 8 + nc * 2 + bf16) {
+    PV_CASE(1, 1) PV_CASE(1, 2) PV_CASE(1, 3) PV_CASE(1, 4)
+    PV_CASE(2, 1) PV_CASE(2, 2) PV_CASE(2, 3) PV_CASE(2, 4)
+    PV_CASE(3, 1) PV_CASE(3, 2) PV_CASE(3, 3) PV_CASE(3, 4)
+    }
+}
+
+static inline int min_int(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
+
+/* Pass 1: scores, 4 tokens at a time, each KV head's query heads HEADS at a time. */
+static void avx2_scores(const float *qf, const char *k, const int64_t *table, int64_t len, float *scores,
+                        int KVH, int group, int D, int BS, int64_t row, int bf16) {
+    const int size = bf16 ? 2 : 4;
+    for (int64_t t0 = 0; t0 < len; t0 += TILE_TOKENS) {
+        const int n = min_int(TILE_TOKENS, len - t0);
+        const char *tok[TILE_TOKENS];
+        for (int i = 0; i < TILE_TOKENS; i++) {
+            const int64_t t = t0 + (i < n ? i : n - 1);
+            tok[i] = k + (table[t / BS] * BS + t % BS) * row;
+        }
+        const int64_t ahead = t0 + AHEAD * BS;  /* the same tokens' rows one block ahead */
+        const char *next = ahead < len ? k + (table[ahead / BS] * BS + ahead % BS) * row : NULL;
+        for (int kh = 0; kh < KVH; kh++) {
+            const char *rows[TILE_TOKENS];
+            for (int i = 0; i < TILE_TOKENS; i++) rows[i] = tok[i] + (int64_t)kh * D * size;
+            prefetch_slice(next, TILE_TOKENS * row, kh, KVH);
+            for (int g0 = 0; g0 < group; g0 += HEADS) {
+                const int h = kh * group + g0;
+                qk_any(qf + h * D, rows, min_int(HEADS, group - g0), n, D, len, scores + h * len + t0, bf16);
+            }
+        }
+    }
+}
+
+/* Pass 2: ob = scores . V, a block at a time. */
+static void avx2_values(const char *v, const int64_t *table, int64_t len, const float *scores, float *ob,
+                        int KVH, int group, int D, int BS, int64_t row, int bf16) {
+    const int size = bf16 ? 2 : 4;
+    memset(ob, 0, sizeof(float) * KVH * group * D);
+    for (int64_t t0 = 0; t0 < len; t0 += BS) {
+        const char *vblock = v + table[t0 / BS] * BS * row;
+        const int n = min_int(BS, len - t0);
+        const char *next = t0 + AHEAD * BS < len ? v + table[t0 / BS + AHEAD] * BS * row : NULL;
+        for (int kh = 0; kh < KVH; kh++) {
+            prefetch_slice(next, BS * row, kh, KVH);
+            for (int g0 = 0; g0 < group; g0 += HEADS)
+                for (int d0 = 0; d0 < D; d0 += 32) {
+                    const int h = kh * group + g0;
+                    pv_any(vblock + (int64_t)(kh * D + d0) * size, row, n, scores + h * len + t0, len,
+                           min_int(HEADS, group - g0), min_int(4, (D - d0) / 8), ob + h * D + d0, D, bf16);
+                }
+        }
+    }
+}
+
+static void avx2_sequence(const float *qf, const char *k, const char *v, const int64_t *table, int64_t len,
+                          float *scores, float *ob, int H, int KVH, int D, int BS, int Q, int bf16) {
+    const int group = H / KVH;
+    const int64_t row = (int64_t)KVH * D * (bf16 ? 2 : 4);
+    avx2_scores(qf, k, table, len, scores, KVH, group, D, BS, row, bf16);
+    for (int h = 0; h < H; h++) {
+        const int64_t n = head_len(h, H, KVH, Q, len);
+        softmax_row(scores + h * len, n);
+        memset(scores + h * len + n, 0, sizeof(float) * (len - n));
+    }
+    avx2_values(v, table, len, scores, ob, KVH, group, D, BS, row, bf16);
+}
+
+static void avx2_bf16(SEQ_ARGS(uint16_t)) {
+    avx2_sequence(qf, (const char *)k, (const char *)v, table, len, scores, ob, H, KVH, D, BS, Q, 1);
+}
+static void avx2_f32(SEQ_ARGS(float)) {
+    avx2_sequence(qf, (const char *)k, (const char *)v, table, len, scores, ob, H, KVH, D, BS, Q, 0);
+}
 #define VECTOR_OK(D) ((D) % 8 == 0)
 #else
 #define VECTOR_OK(D) 0
