@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from tokenmill.bench.engine.engine_bench import EngineBenchConfig, make_workload, run_engine_bench
-from tokenmill.bench.engine.report import decode_flops, decode_weight_bytes, expected_experts_touched, write_json
+from tokenmill.bench.engine.report import (
+    decode_attention_flops,
+    decode_flops,
+    decode_matmul_flops,
+    decode_weight_bytes,
+    expected_experts_touched,
+    write_json,
+)
 from tokenmill.cli import main
 from tokenmill.textgen.model_config import load_model_config
 
@@ -21,7 +28,7 @@ TOKENMILL_KEYS = {"output_tokens_per_s", "wall_s", "mean_step_ms", "mean_decode_
 HF_KEYS = {"useful_output_tokens_per_s", "requests_run", "wall_s", "batch_size", "useful_output_tokens"}
 FLOOR_KEYS = {"bandwidth_gbps", "decode_batch_mean", "bytes_per_decode_step", "floor_ms",
               "decode_step_over_floor", "matmul_gflops", "flops_per_decode_step", "compute_floor_ms",
-              "decode_step_over_compute_floor"}
+              "decode_step_over_compute_floor", "phase_floor_ms", "decode_step_over_phase_floor"}
 
 
 def tiny_config(model: Path, json_path: Path, **overrides: object) -> EngineBenchConfig:
@@ -52,6 +59,13 @@ def test_figures_are_positive(bench_json: dict) -> None:
         for key in keys:
             assert bench_json[section][key] > 0, f"{section}.{key}"
     assert bench_json["ratio"] > 0
+
+
+def test_the_phase_floor_lies_between_the_larger_floor_and_their_sum(bench_json: dict) -> None:
+    f = bench_json["floor"]
+    assert max(f["floor_ms"], f["compute_floor_ms"]) <= f["phase_floor_ms"] * (1 + 1e-9)
+    assert f["phase_floor_ms"] <= (f["floor_ms"] + f["compute_floor_ms"]) * (1 + 1e-9)
+    assert f["decode_step_over_phase_floor"] == pytest.approx(f["mean_decode_step_ms"] / f["phase_floor_ms"])
 
 
 def test_output_tokens_equal_the_requested_totals(bench_json: dict, tiny_moe: Path) -> None:
@@ -120,6 +134,7 @@ def test_decode_flops_agree_with_the_weights_one_token_reads(tiny_moe: Path) -> 
     assert decode_flops(cfg, 3, 0) == pytest.approx(3 * decode_flops(cfg, 1, 0))
     per_context_token = 2 * 2 * cfg.num_heads * cfg.head_dim * cfg.num_layers
     assert decode_flops(cfg, 1, 100) - decode_flops(cfg, 1, 0) == pytest.approx(100 * per_context_token)
+    assert decode_flops(cfg, 3, 100) == pytest.approx(decode_matmul_flops(cfg, 3) + decode_attention_flops(cfg, 100))
 
 
 def test_cli_bad_model_exits_nonzero_naming_the_field(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

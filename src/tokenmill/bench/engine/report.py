@@ -30,7 +30,7 @@ JSON written by `--json OUT` (schema_version 1; times in seconds unless the key 
                 bytes_per_decode_step, floor_ms, mean_decode_step_ms, decode_step_over_floor,
                 matmul_gflops (best in-cache 512^3 matmul at --threads, the faster of fp32 and
                 the model's dtype), flops_per_decode_step, compute_floor_ms,
-                decode_step_over_compute_floor}
+                decode_step_over_compute_floor, phase_floor_ms, decode_step_over_phase_floor}
     }
 
 The floor of a decode step is the bytes it must read once: every non-expert weight
@@ -44,6 +44,13 @@ through its top-k experts, the LM head, and attention's QK^T and PV over each co
 best matmul rate measured here. A CPU whose vectors widen bf16 to fp32 (no AVX-512 BF16 or
 AMX) can sit above the memory floor on arithmetic alone at a large batch; the step can be
 no faster than the larger of the two floors.
+
+And the phase floor: a layer's matmuls and its attention run one after the other, each bound by
+its own resource, so at a large batch the matmuls are compute-bound while attention reads the
+KV, and neither hides the other. Each phase's larger floor, summed: max(weights / bandwidth,
+matmul FLOPs / rate) + max(KV / bandwidth, attention FLOPs / rate), averaged over the steps
+(a step is compute- or memory-bound by its own batch). It is at least the larger of the two
+floors above and at most their sum.
 """
 from __future__ import annotations
 
@@ -111,6 +118,8 @@ class FloorResult:
     flops_per_decode_step: float
     compute_floor_ms: float
     decode_step_over_compute_floor: float
+    phase_floor_ms: float
+    decode_step_over_phase_floor: float
 
 
 @dataclass(slots=True)
@@ -158,6 +167,11 @@ def decode_weight_bytes(cfg: ModelConfig, batch: int, itemsize: int) -> float:
 
 def decode_flops(cfg: ModelConfig, batch: float, context_tokens: float) -> float:
     """FLOPs of one decode step over `batch` sequences whose contexts sum to `context_tokens`."""
+    return decode_matmul_flops(cfg, batch) + decode_attention_flops(cfg, context_tokens)
+
+
+def decode_matmul_flops(cfg: ModelConfig, batch: float) -> float:
+    """Every matmul of `batch` tokens: projections, MLP or each token's top-k experts, LM head."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     macs_per_token = 0.0
     for layer in range(cfg.num_layers):
@@ -168,8 +182,13 @@ def decode_flops(cfg: ModelConfig, batch: float, context_tokens: float) -> float
         else:
             macs_per_token += 3 * h * cfg.intermediate_size
     macs_per_token += cfg.vocab_size * h
-    attention_macs = 2 * context_tokens * q * cfg.num_layers  # QK^T and PV, each query head
-    return 2 * (batch * macs_per_token + attention_macs)
+    return 2 * batch * macs_per_token
+
+
+def decode_attention_flops(cfg: ModelConfig, context_tokens: float) -> float:
+    """QK^T and PV over contexts summing to `context_tokens`: a multiply-add per key or value,
+    query head and dim, per layer."""
+    return 2 * 2 * context_tokens * cfg.num_heads * cfg.head_dim * cfg.num_layers
 
 
 def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
@@ -188,6 +207,8 @@ def decode_floor(cfg: ModelConfig, itemsize: int, shapes: list[DecodeStepShape],
     floor_ms = (weights + kv) / (bandwidth_gbps * 1e9) * 1e3
     flops = decode_flops(cfg, batch_mean, context_mean)  # linear in both: the steps' mean FLOPs
     compute_floor_ms = flops / (matmul_gflops * 1e9) * 1e3
+    phase_floor_ms = sum(_phase_floor_s(cfg, itemsize, s, bandwidth_gbps * 1e9, matmul_gflops * 1e9)
+                         for s in shapes) / n * 1e3
     return FloorResult(
         bandwidth_gbps=bandwidth_gbps, decode_batch_mean=batch_mean,
         context_tokens_mean=context_mean, weight_bytes_per_decode_step=weights,
@@ -195,7 +216,15 @@ def decode_floor(cfg: ModelConfig, itemsize: int, shapes: list[DecodeStepShape],
         mean_decode_step_ms=mean_decode_step_ms, decode_step_over_floor=mean_decode_step_ms / floor_ms,
         matmul_gflops=matmul_gflops, flops_per_decode_step=flops, compute_floor_ms=compute_floor_ms,
         decode_step_over_compute_floor=mean_decode_step_ms / compute_floor_ms,
+        phase_floor_ms=phase_floor_ms, decode_step_over_phase_floor=mean_decode_step_ms / phase_floor_ms,
     )
+
+
+def _phase_floor_s(cfg: ModelConfig, itemsize: int, step: DecodeStepShape, bandwidth: float, rate: float) -> float:
+    """One step's matmuls, then its attention, each at the slower of its reads and its FLOPs."""
+    matmuls = max(decode_weight_bytes(cfg, step.batch, itemsize) / bandwidth, decode_matmul_flops(cfg, step.batch) / rate)
+    kv = step.context_tokens * kv_bytes_per_token(cfg, itemsize)
+    return matmuls + max(kv / bandwidth, decode_attention_flops(cfg, step.context_tokens) / rate)
 
 
 def write_json(report: EngineBenchReport, path: str | Path) -> None:
@@ -247,6 +276,8 @@ def _table_rows(r: EngineBenchReport) -> list[tuple[str, str]]:
                                              f"({f.decode_step_over_compute_floor:.1f}x): "
                                              f"{f.flops_per_decode_step / 1e9:.2f} GFLOP at "
                                              f"{f.matmul_gflops:.0f} GFLOP/s"),
+            ("decode step vs phase floor", f"{f.mean_decode_step_ms:.2f} ms vs {f.phase_floor_ms:.2f} ms "
+                                           f"({f.decode_step_over_phase_floor:.1f}x): matmuls, then attention"),
         ]
     return rows + _parallel_rows(r)
 
