@@ -381,8 +381,6 @@ class LLMEngine:
         """A consistent view only on the engine's own thread (AsyncLLMEngine.stats)."""
         c = self.counters
         held = request_blocks((r for s in self.schedulers for r in (*s.running, *s.waiting)), self.config.block_size)
-        prefill_blocks = sum(p for p, _ in held.values())
-        decode_blocks = sum(d for _, d in held.values())
         free, total = sum(p.num_free_blocks for p in self.pools), sum(p.num_blocks for p in self.pools)
         queried = sum(kv.stats.queried_tokens for kv in self.kvs)
         hits = sum(kv.stats.hit_tokens for kv in self.kvs)
@@ -393,8 +391,7 @@ class LLMEngine:
             prefix_hit_rate=hits / queried if queried else 0.0,
             num_steps=c.steps, prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
             prefill_step_seconds=c.prefill_seconds, decode_step_seconds=c.decode_seconds,
-            num_decode_only_steps=c.decode_only_steps, num_preemptions=c.preemptions,
-            prefill_blocks=prefill_blocks, decode_blocks=decode_blocks, request_blocks=held,
+            num_decode_only_steps=c.decode_only_steps, num_preemptions=c.preemptions, request_blocks=held,
             onboarded_tokens=self.kv.stats.onboarded_tokens, queried_tokens=queried, device_hit_tokens=hits,
             num_held=len(self.handoff.held), num_importing=len(self.handoff.importing),
             spec_draft_tokens=self.drafter.drafted, spec_accepted_tokens=self.drafter.accepted,

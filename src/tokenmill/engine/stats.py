@@ -57,8 +57,6 @@ class EngineStats:
     decode_step_seconds: float  # steps that only decoded
     num_decode_only_steps: int
     num_preemptions: int
-    prefill_blocks: int  # uncached blocks of requests still before their first token (waiting included)
-    decode_blocks: int  # blocks generating requests hold beyond their prefix hits
     onboarded_tokens: int = 0  # prompt tokens loaded from KV tiers instead of computed
     queried_tokens: int = 0  # prompt tokens looked up in the prefix cache at admission
     device_hit_tokens: int = 0  # ... and found on the device
@@ -68,3 +66,13 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # ... and confirmed by it (emitted without a step of their own)
     tier_stats: dict[str, Any] = field(default_factory=dict)  # TieredKVManager.stats(); {} without tiers
     request_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (prefill, decode) blocks
+
+    @property
+    def prefill_blocks(self) -> int:
+        """Uncached blocks of requests still before their first token (waiting included)."""
+        return sum(p for p, _ in self.request_blocks.values())
+
+    @property
+    def decode_blocks(self) -> int:
+        """Blocks generating requests hold beyond their prefix hits."""
+        return sum(d for _, d in self.request_blocks.values())

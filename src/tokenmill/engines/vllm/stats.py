@@ -93,6 +93,4 @@ class LoadBook:
             num_steps=t.num_steps, prefill_tokens=t.prefill_tokens, decode_tokens=t.decode_tokens,
             prefill_step_seconds=0.0, decode_step_seconds=0.0, num_decode_only_steps=0,
             num_preemptions=t.num_preemptions,
-            prefill_blocks=sum(p for p, _ in per_request.values()),
-            decode_blocks=sum(d for _, d in per_request.values()),
             queried_tokens=t.queried_tokens, device_hit_tokens=t.hit_tokens, request_blocks=per_request)
