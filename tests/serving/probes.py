@@ -36,15 +36,22 @@ def wait(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> N
         time.sleep(0.1)
 
 
-def busy_worker_pid(server: Server, timeout_s: float = 5.0) -> int:
-    """The pid of a worker whose heartbeat reports a request in flight."""
+def in_flight_by_pid(server: Server) -> dict[int, int]:
+    """Each worker's requests in flight, as its last heartbeat said."""
+    return {int(w["pid"]): int(w["metadata"].get("in_flight", 0)) for w in server.registry()}
+
+
+def busy_worker_pid(server: Server, before: dict[int, int], timeout_s: float = 5.0) -> int:
+    """The pid of the one worker whose heartbeat reports more requests in flight than `before`
+    (`in_flight_by_pid` taken before the request was sent): another worker's last heartbeat may
+    still count a request that has just finished there."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        busy = [w for w in server.registry() if w["metadata"].get("in_flight", 0) > 0]
-        if busy:
-            return int(busy[0]["pid"])
+        busier = [pid for pid, n in in_flight_by_pid(server).items() if n > before.get(pid, 0)]
+        if len(busier) == 1:
+            return busier[0]
         time.sleep(0.05)
-    raise AssertionError("no worker reported the request in flight")
+    raise AssertionError("no single worker reported the request in flight")
 
 
 def stream_with_a_kill(base: str, prompt: list[int], max_tokens: int, kill: Callable[[], T],

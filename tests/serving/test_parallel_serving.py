@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.serving.conftest import start_server, stop_server
-from tests.serving.probes import busy_worker_pid, stream_with_a_kill, wait
+from tests.serving.probes import busy_worker_pid, in_flight_by_pid, stream_with_a_kill, wait
 from tests.serving.test_serve import _reference
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
@@ -44,10 +44,11 @@ def test_killing_a_rank_restarts_its_worker_and_the_stream_migrates(tiny_moe: Pa
         undisturbed = _reference(tiny_moe, PROMPT, 600)
 
         def kill_a_rank_of_the_busy_worker() -> int:
-            worker = busy_worker_pid(server)
+            worker = busy_worker_pid(server, before)
             os.kill(_ranks_of(worker)[0], signal.SIGKILL)
             return worker
 
+        before = in_flight_by_pid(server)
         text, worker = stream_with_a_kill(server.url, PROMPT, 600, kill_a_rank_of_the_busy_worker)
         assert text == undisturbed
         wait(lambda: len(server.registry()) == 2 and all(int(w["pid"]) != worker for w in server.registry()),

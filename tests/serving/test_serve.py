@@ -11,7 +11,7 @@ import httpx
 import openai
 
 from tests.serving.conftest import Server
-from tests.serving.probes import busy_worker_pid, stream_with_a_kill
+from tests.serving.probes import busy_worker_pid, in_flight_by_pid, stream_with_a_kill
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.textgen.sampling import SamplingParams
@@ -88,10 +88,11 @@ def test_killing_a_worker_mid_stream_migrates_without_a_visible_seam(two_worker_
     undisturbed = _reference(tiny_dense, prompt, 1500)
 
     def kill_busy_worker() -> int:
-        pid = busy_worker_pid(two_worker_server)
+        pid = busy_worker_pid(two_worker_server, before)
         os.kill(pid, signal.SIGKILL)
         return pid
 
+    before = in_flight_by_pid(two_worker_server)
     text, _ = stream_with_a_kill(two_worker_server.url, prompt, 1500, kill_busy_worker)
     assert text == undisturbed
     _wait_for(lambda: len(two_worker_server.registry()) == 2, 60)  # the supervisor restarted it
