@@ -55,3 +55,4 @@ def test_gpu_check_runs_its_steps_on_the_cpu(tmp_path: Path) -> None:
     assert parity["max_abs_logit_diff_at_prompt_end"] < 1e-3
     assert throughput["output_tokens"] == 4 * 16 and throughput["tokenmill_tok_s"] > 0
     assert throughput["memory_floor_ms"] > 0 and throughput["decode_step_ms"] > 0
+    assert throughput["tokenmill_eager_tok_s"] > 0 and throughput["graphed_steps"] == 0  # graphs: CUDA only

@@ -27,14 +27,16 @@ class SeqSpan:
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """Sequences whose queries each attend alone (a decode, and the drafts it verifies), served
-    by the native kernel straight from the blocks: sequence b's `queries[b]` rows are
+    """Queries that each attend alone (a decode, and the drafts it verifies), read straight from
+    the blocks. In the native kernel's form (`native`), sequence b's `queries[b]` rows are
     consecutive, the last at the end of its `context_lens[b]` keys, each before it one key
-    shorter."""
+    shorter. In the row form (PyTorch's ops, `native` false) each row is its own entry: one
+    block-table row, one context length, `queries` all 1."""
     rows: torch.Tensor  # int64 [n]: every query's row in the flattened step, ascending
-    block_table: torch.Tensor  # int64 [sequences, max_blocks], padded with 0
-    context_lens: torch.Tensor  # int64 [sequences]
-    queries: torch.Tensor  # int64 [sequences], summing to n
+    block_table: torch.Tensor  # int64 [entries, max_blocks], padded with 0
+    context_lens: torch.Tensor  # int64 [entries]
+    queries: torch.Tensor  # int64 [entries], summing to n
+    native: bool = True
 
 
 @dataclass(slots=True)
@@ -69,14 +71,10 @@ def paged_attention(
     tokens, heads, dim = q.shape
     d = batch.decode
     if d is not None and not batch.spans and d.rows.numel() == tokens:  # rows 0..tokens-1: no gather
-        res = kernels.paged_decode_attention(q, kv_layer[0], kv_layer[1], d.block_table, d.context_lens, scale,
-                                             d.queries)
-        return res.to(q.dtype).view(tokens, heads * dim)
+        return _decode_attention(q, kv_layer, d, scale).view(tokens, heads * dim)
     out = q.new_empty(tokens, heads, dim)
     if d is not None:
-        res = kernels.paged_decode_attention(q.index_select(0, d.rows), kv_layer[0], kv_layer[1],
-                                             d.block_table, d.context_lens, scale, d.queries)
-        out.index_copy_(0, d.rows, res.to(q.dtype))
+        out.index_copy_(0, d.rows, _decode_attention(q.index_select(0, d.rows), kv_layer, d, scale))
     for span in batch.spans:
         rows = slice(span.query_start, span.query_start + span.query_len)
         if batch.native_prefill and q.is_cpu:
@@ -94,6 +92,31 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out.view(tokens, heads * dim)
+
+
+def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, d: DecodeBatch, scale: float) -> torch.Tensor:
+    if d.native:
+        res = kernels.paged_decode_attention(q, kv_layer[0], kv_layer[1], d.block_table, d.context_lens, scale,
+                                             d.queries)
+        return res.to(q.dtype)
+    return batched_decode_attention(q, kv_layer[0], kv_layer[1], d.block_table, d.context_lens, scale)
+
+
+def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                             context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, heads, dim], one query per row; k/v_cache [blocks, block_size, kv_heads, dim]: row i
+    attends to the first context_lens[i] keys of the blocks block_table[i] (any block past those),
+    -> [n, heads, dim]. PyTorch's ops, every shape fixed by q's and the table's: a CUDA graph
+    captures it. It reads the table's whole width, masked."""
+    n, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    width = block_table.shape[1] * block_size
+    k = k_cache[block_table].view(n, width, kv_heads, dim).transpose(1, 2)  # [n, kv_heads, width, dim]
+    v = v_cache[block_table].view(n, width, kv_heads, dim).transpose(1, 2)
+    visible = torch.arange(width, device=q.device) < context_lens.unsqueeze(1)  # [n, width]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=visible[:, None, None, :], scale=scale,
+                                         enable_gqa=True)
+    return out.reshape(n, heads, dim)
 
 
 def _gather_context(kv_layer: torch.Tensor, span: SeqSpan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,6 +63,7 @@ class EngineConfig:
     kv_pin_file: str | None = None  # JSON lines: a prompt string or a list of token ids
     speculative: SpeculativeConfig | None = None  # draft tokens each decode step verifies (torch runner)
     device: str = "cpu"  # the torch runner's: cpu or cuda (auto is resolved to one of them here)
+    enforce_eager: bool = False  # on a GPU, no CUDA graphs: every decode step launched op by op
 
     @property
     def rank_threads(self) -> int | None:

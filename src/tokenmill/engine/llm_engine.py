@@ -92,6 +92,7 @@ class LLMEngine:
             specials = self.tokenizer.special_token_ids if self.tokenizer else frozenset()
             return MockRunner(self.config.mock_step_time, cfg.vocab_size, specials, self.config.mock_sleep,
                               self.config.mock_speedup)
+        from tokenmill.engine.decode_graphs import graph_shapes
         from tokenmill.engine.runner import TorchModelRunner  # torch: only for a real forward pass
         from tokenmill.engine.weights import load_model
 
@@ -108,7 +109,7 @@ class LLMEngine:
                              "pool; disaggregated roles run on the CPU for now")
         model = load_model(self.config.model, cfg, dtype, self.max_model_len, device=self.config.device)
         return TorchModelRunner(model, cfg, num_blocks, self.config.block_size, dtype, self.config.seed,
-                                kv_allocator, self.config.device)
+                                kv_allocator, self.config.device, graph_shapes(self.config, cfg, self.max_model_len))
 
     def _draft_model(self, num_blocks: int):
         spec = self.config.speculative

@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.engine import kernels
 from tokenmill.engine.attention import AttentionBatch, DecodeBatch, SeqSpan, allocate_kv_cache
+from tokenmill.engine.decode_graphs import DecodeGraphs, GraphShapes
 from tokenmill.engine.guided import MaskComputer
 from tokenmill.engine.kernels import prefill_attention
 from tokenmill.engine.models.transformer import CausalLM
@@ -39,32 +40,39 @@ class StepPart:
 class TorchModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, seed: int = 0, kv_allocator: KVAllocator | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", graphs: GraphShapes | None = None) -> None:
         """On a `device` other than the CPU the model and the KV pool live there and the forward
         pass takes PyTorch's own ops (the native kernels are CPU code); steps are prepared and
-        sampled on the host."""
+        sampled on the host. With `graphs`, decode steps replay captured graphs (`DecodeGraphs`),
+        and the pool holds one scratch block past `num_blocks` for their padding rows."""
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
+        pool_blocks = num_blocks + (graphs is not None)
         if kv_allocator is None:
-            self.kv_cache = allocate_kv_cache(cfg.num_layers, num_blocks, block_size,
+            self.kv_cache = allocate_kv_cache(cfg.num_layers, pool_blocks, block_size,
                                               cfg.num_kv_heads, cfg.head_dim, dtype, device)
         else:
-            shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            shape = (cfg.num_layers, 2, pool_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
             self.kv_cache = kv_allocator(shape, dtype)
         self.generator = torch.Generator().manual_seed(seed)
         self.vocab_size = cfg.vocab_size
         self.mask_computer: MaskComputer | None = None  # structured outputs' masks, beside the forward pass
-        on_cpu = self.device.type == "cpu"
+        on_cpu = self.device.type == "cpu" and graphs is None
         self.native_decode = on_cpu and dtype in (torch.float32, torch.bfloat16) \
             and cfg.head_dim <= kernels.MAX_HEAD_DIM and kernels.available()
-        self.native_prefill = on_cpu and prefill_attention.supported(dtype, cfg.head_dim)
+        # decodes in the row form, through PyTorch's ops: one batched call, not a span per sequence
+        self.row_decode = not on_cpu
+        self.native_prefill = self.device.type == "cpu" and prefill_attention.supported(dtype, cfg.head_dim)
+        self.graphs = None if graphs is None else DecodeGraphs(self.forward, graphs, num_blocks, block_size, device)
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
         input_ids, positions, batch, logits_rows = self._prepare(out, kv)
         sampling = [s for s in out.seqs if s.samples]
         masks = self._start_masks(sampling)
-        logits = self.forward(*self.to_device(input_ids, positions, batch, logits_rows))
+        logits = None if self.graphs is None else self.graphs.run(input_ids, positions, batch, logits_rows)
+        if logits is None:
+            logits = self.forward(*self.to_device(input_ids, positions, batch, logits_rows))
         return self._sample(sampling, logits.cpu(), masks)
 
     def to_device(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
@@ -74,7 +82,10 @@ class TorchModelRunner:
             return input_ids, positions, batch, logits_rows
         device = self.device
         spans = [SeqSpan(s.query_start, s.query_len, s.context_len, s.block_ids.to(device)) for s in batch.spans]
-        moved = AttentionBatch(batch.slot_mapping.to(device), spans, None, False)
+        d = batch.decode
+        decode = None if d is None else DecodeBatch(d.rows.to(device), d.block_table.to(device),
+                                                    d.context_lens.to(device), d.queries.to(device), d.native)
+        moved = AttentionBatch(batch.slot_mapping.to(device), spans, decode, False)
         return input_ids.to(device), positions.to(device), moved, logits_rows.to(device)
 
     def _start_masks(self, sampling: list[ScheduledSeq]) -> tuple[list[int], Future[np.ndarray]] | None:
@@ -134,7 +145,7 @@ class TorchModelRunner:
         for part in parts:
             end = part.start + len(part.ids)
             pos = np.arange(part.start, end, dtype=np.int64)
-            if self.native_decode and part.single_queries:
+            if (self.native_decode or self.row_decode) and part.single_queries:
                 decodes.append((len(ids), part.blocks, end, len(part.ids)))
             else:
                 spans.append(SeqSpan(len(ids), len(part.ids), end, torch.from_numpy(part.blocks)))
@@ -144,7 +155,7 @@ class TorchModelRunner:
             logits_rows.extend(range(len(ids) - part.logits, len(ids)))
         if not ids:  # an attention-DP rank with nothing scheduled still joins the step
             positions = slots = [np.zeros(0, dtype=np.int64)]
-        batch = AttentionBatch(torch.from_numpy(np.concatenate(slots)), spans, _decode_batch(decodes),
+        batch = AttentionBatch(torch.from_numpy(np.concatenate(slots)), spans, _decode_batch(decodes, self.native_decode),
                                self.native_prefill)
         return (torch.tensor(ids, dtype=torch.long), torch.from_numpy(np.concatenate(positions)),
                 batch, torch.tensor(logits_rows, dtype=torch.long))
@@ -163,13 +174,17 @@ def _sample_rows(seq: ScheduledSeq) -> list[SampleRow]:
             for i in range(1 + len(drafts))]
 
 
-def _decode_batch(decodes: list[tuple[int, np.ndarray, int, int]]) -> DecodeBatch | None:
+def _decode_batch(decodes: list[tuple[int, np.ndarray, int, int]], native: bool) -> DecodeBatch | None:
+    """`decodes`: (first row, blocks, context length, queries) of each sequence; in the native
+    kernel's form, or in the row form (each query its own entry, one key shorter than the next)."""
     if not decodes:
         return None
+    if not native:
+        decodes = [(first + j, blocks, end - (n - 1 - j), 1) for first, blocks, end, n in decodes for j in range(n)]
     table = np.zeros((len(decodes), max(len(b) for _, b, _, _ in decodes)), dtype=np.int64)
     for i, (_, blocks, _, _) in enumerate(decodes):
         table[i, :len(blocks)] = blocks
     rows = np.concatenate([np.arange(first, first + n, dtype=np.int64) for first, _, _, n in decodes])
     return DecodeBatch(torch.from_numpy(rows), torch.from_numpy(table),
                        torch.tensor([end for _, _, end, _ in decodes], dtype=torch.long),
-                       torch.tensor([n for _, _, _, n in decodes], dtype=torch.long))
+                       torch.tensor([n for _, _, _, n in decodes], dtype=torch.long), native)

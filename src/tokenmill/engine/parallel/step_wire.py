@@ -33,14 +33,14 @@ def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, batch: Attention
         "logits": _array(logits_rows), "native_prefill": batch.native_prefill,
         "spans": [[s.query_start, s.query_len, s.context_len, _array(s.block_ids)] for s in batch.spans],
         "decode": None if decode is None else [_array(decode.rows), _array(decode.block_table),
-                                               _array(decode.context_lens), _array(decode.queries)],
+                                               _array(decode.context_lens), _array(decode.queries), decode.native],
     })
 
 
 def unpack_step(data: bytes) -> Step:
     m = msgpack.unpackb(data)
     spans = [SeqSpan(start, qlen, ctx, _tensor(blocks)) for start, qlen, ctx, blocks in m["spans"]]
-    decode = None if m["decode"] is None else DecodeBatch(*(_tensor(x) for x in m["decode"]))
+    decode = None if m["decode"] is None else DecodeBatch(*(_tensor(x) for x in m["decode"][:4]), m["decode"][4])
     batch = AttentionBatch(_tensor(m["slots"]), spans, decode, m["native_prefill"])
     return _tensor(m["ids"]), _tensor(m["pos"]), batch, _tensor(m["logits"])
 
