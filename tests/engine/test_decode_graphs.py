@@ -102,6 +102,7 @@ def test_a_padded_step_gives_the_unpadded_logits_and_writes_no_other_block(tiny_
     want = eager.forward(*eager.step_inputs(parts))
     assert got is not None and got.shape == want.shape == (5, engine.model_config.vocab_size)
     assert graphed.graphs.steps.keys() == {(8, 8)} and graphed.graphs.replayed == 1
+    assert got.data_ptr() == graphed.graphs.logits.data_ptr()  # the one logits buffer, outside the graphs' pool
     assert torch.allclose(got, want, atol=1e-4)
     written = set(step[2].slot_mapping.tolist())
     flat = lambda kv: kv.flatten(2, 3).transpose(0, 2)  # noqa: E731  [slots, 2, layers, ...]
@@ -139,3 +140,13 @@ def test_an_engine_on_graphs_generates_the_greedy_text_of_the_native_kernels(tin
     assert runner.graphs.replayed > 0
     if spec is not None:
         assert graphed.stats().spec_draft_tokens > 0
+
+
+def test_a_bucket_whose_capture_fails_runs_op_by_op(tiny_dense: Path) -> None:
+    def out_of_memory(step):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test's)")
+    engine = make_engine(tiny_dense, num_kv_blocks=64)
+    runner = _runner(engine, GraphShapes(4, 8, out_of_memory))
+    parts = [StepPart([5], 10, np.arange(i, i + 1), True, 1) for i in range(3)]
+    assert runner.graphs.run(*runner.step_inputs(parts)) is None
+    assert runner.graphs.run(*runner.step_inputs(parts)) is None and runner.graphs.steps == {(4, 8): None}

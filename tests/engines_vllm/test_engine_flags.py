@@ -30,6 +30,7 @@ def tokenmill(python: str | Path, *argv: str) -> subprocess.CompletedProcess:
     (["--engine", "vllm", "--kv-host-gb", "1"], "--kv-host-gb"),
     (["--engine", "vllm", "--tp", "2"], "--tp"),
     (["--engine", "vllm", "--speculative", "ngram"], "--speculative"),
+    (["--engine", "vllm", "--enforce-eager"], "--enforce-eager"),
 ])
 def test_serve_refuses_bad_engine_flags_naming_them(small_llama: Path, flags: list[str], named: str) -> None:
     result = tokenmill(sys.executable, "serve", "--model", str(small_llama), "--port", "0",

@@ -107,15 +107,17 @@ def batched_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     """q [n, heads, dim], one query per row; k/v_cache [blocks, block_size, kv_heads, dim]: row i
     attends to the first context_lens[i] keys of the blocks block_table[i] (any block past those),
     -> [n, heads, dim]. PyTorch's ops, every shape fixed by q's and the table's: a CUDA graph
-    captures it. It reads the table's whole width, masked."""
+    captures it. It reads the table's whole width, masked. A KV head's query heads stand where
+    a prompt's queries would (head h reads KV head h // group), so no KV is repeated per head and
+    the masked, memory-efficient kernels take it (GQA's own flag is for unmasked attention)."""
     n, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     width = block_table.shape[1] * block_size
     k = k_cache[block_table].view(n, width, kv_heads, dim).transpose(1, 2)  # [n, kv_heads, width, dim]
     v = v_cache[block_table].view(n, width, kv_heads, dim).transpose(1, 2)
     visible = torch.arange(width, device=q.device) < context_lens.unsqueeze(1)  # [n, width]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=visible[:, None, None, :], scale=scale,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(q.view(n, kv_heads, heads // kv_heads, dim), k, v,
+                                         attn_mask=visible[:, None, None, :], scale=scale)
     return out.reshape(n, heads, dim)
 
 

@@ -1,6 +1,7 @@
 """CUDA graphs of decode steps: one captured forward pass per padded step shape, replayed.
 
-    graphs = DecodeGraphs(runner.forward, GraphShapes(max_batch=64, max_blocks=128), scratch_block, 16, "cuda")
+    graphs = DecodeGraphs(runner.forward, GraphShapes(max_batch=64, max_blocks=128), scratch_block,
+                          block_size=16, vocab_size=49152, device="cuda")
     logits = graphs.run(input_ids, positions, batch, logits_rows)  # None: not a step a graph serves
 
 A small model's decode step on a GPU is bound by launches, not by the GPU: hundreds of kernels of
@@ -17,8 +18,9 @@ up to its bucket:
 
 Only steps whose every row is a lone query over its sequence's keys (decodes, and the drafts they
 verify, one row each) and gives logits are graphed; other steps (a prompt chunk), and shapes past
-the largest bucket, run op by op. Graphs share one memory pool: they replay one at a time on one
-stream, and each step's logits are copied out before the next replay.
+the largest bucket, run op by op, as do a bucket's steps if its capture fails (out of memory).
+Graphs share one memory pool: they replay one at a time on one stream, each writing its logits
+into one buffer outside the pool, copied to the host before the next replay.
 """
 from __future__ import annotations
 
@@ -92,36 +94,45 @@ class GraphShapes:
 
 @dataclass(slots=True)
 class StaticStep:
-    """The buffers a graph reads, at one (batch, width) bucket, and what replays it."""
-    input_ids: torch.Tensor  # [batch]
-    positions: torch.Tensor  # [batch]
-    slots: torch.Tensor  # [batch]
-    table: torch.Tensor  # [batch, width]
-    context_lens: torch.Tensor  # [batch]
-    rows: torch.Tensor  # arange(batch): every row decodes and gives logits
+    """The inputs a graph reads at one (batch, width) bucket: one device buffer laid out as
+    [input ids | positions | slots | context lengths | block table, batch x width], filled each
+    step from a host buffer of the same layout (pinned on a GPU host) by one copy."""
+    device_buffer: torch.Tensor  # int64 [batch * (4 + width)]
+    host_buffer: torch.Tensor
+    batch: int
+    width: int
 
     @classmethod
     def padding(cls, batch: int, width: int, scratch_block: int, block_size: int, device: str) -> StaticStep:
         """Buffers holding padding rows only: what warm-up and capture run on."""
-        def full(shape: tuple[int, ...], value: int) -> torch.Tensor:
-            return torch.full(shape, value, dtype=torch.long, device=device)
-        return cls(full((batch,), 0), full((batch,), 0), full((batch,), scratch_block * block_size),
-                   full((batch, width), scratch_block), full((batch,), 1), torch.arange(batch, device=device))
+        host = torch.empty(batch * (4 + width), dtype=torch.long, pin_memory=device != "cpu")
+        step = cls(torch.empty(host.shape, dtype=torch.long, device=device), host, batch, width)
+        step._pad(scratch_block, block_size)
+        step.device_buffer.copy_(host)
+        return step
+
+    def views(self, buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """(input ids, positions, slots, context lengths, block table) of `buffer` (the device's)."""
+        b, buf = self.batch, self.device_buffer if buffer is None else buffer
+        return buf[:b], buf[b:2 * b], buf[2 * b:3 * b], buf[3 * b:4 * b], buf[4 * b:].view(b, self.width)
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, decode: DecodeBatch,
              scratch_block: int, block_size: int) -> None:
-        """This step's rows first, padding rows after them (host tensors in, one copy each)."""
-        batch, width = self.table.shape
+        """This step's rows first, padding rows after them."""
+        self._pad(scratch_block, block_size)
         n, used = decode.block_table.shape
-        table = torch.full((batch, width), scratch_block, dtype=torch.long)
+        ids, pos, slot, lens, table = self.views(self.host_buffer)
+        ids[:n], pos[:n], slot[:n], lens[:n] = input_ids, positions, slots, decode.context_lens
         table[:n, :used] = decode.block_table
-        self.table.copy_(table)
-        for buffer, values, pad in ((self.input_ids, input_ids, 0), (self.positions, positions, 0),
-                                    (self.slots, slots, scratch_block * block_size),
-                                    (self.context_lens, decode.context_lens, 1)):
-            padded = torch.full((batch,), pad, dtype=torch.long)
-            padded[:n] = values
-            buffer.copy_(padded)
+        self.device_buffer.copy_(self.host_buffer, non_blocking=True)  # done before the logits reach the host
+
+    def _pad(self, scratch_block: int, block_size: int) -> None:
+        ids, pos, slot, lens, table = self.views(self.host_buffer)
+        ids.zero_()
+        pos.zero_()
+        slot.fill_(scratch_block * block_size)
+        lens.fill_(1)
+        table.fill_(scratch_block)
 
 
 def graph_shapes(config: EngineConfig, model: ModelConfig, max_model_len: int) -> GraphShapes | None:
@@ -136,24 +147,30 @@ def graph_shapes(config: EngineConfig, model: ModelConfig, max_model_len: int) -
 
 class DecodeGraphs:
     def __init__(self, forward: Callable[..., torch.Tensor], shapes: GraphShapes, scratch_block: int,
-                 block_size: int, device: str) -> None:
+                 block_size: int, vocab_size: int, device: str) -> None:
         """`forward(input_ids, positions, batch, logits_rows)` is the runner's forward pass;
         `scratch_block` a block of its KV pool that no request is given."""
         self.forward = forward
-        self.shapes = shapes
         self.capture = shapes.capture or cuda_capture()
         self.batches, self.widths = shapes.batch_buckets(), shapes.width_buckets()
         self.scratch_block, self.block_size, self.device = scratch_block, block_size, device
-        self.steps: dict[tuple[int, int], tuple[StaticStep, Step]] = {}
+        # every graph writes its logits here, outside the graphs' pool: a graph's own output would
+        # stay allocated in the pool, one [batch, vocab] per graph
+        self.logits = torch.empty(shapes.max_batch, vocab_size, dtype=torch.float32, device=device)
+        self.steps: dict[tuple[int, int], tuple[StaticStep, Step] | None] = {}  # None: its capture failed
         self.replayed = 0  # steps served by a graph
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
             logits_rows: torch.Tensor) -> torch.Tensor | None:
-        """The step's logits (on the device) from its bucket's graph; None when no graph serves it."""
+        """The step's logits (on the device) from its bucket's graph; None when no graph serves it.
+        They stay valid until the next step."""
         bucket = self.bucket_of(batch, input_ids.numel(), logits_rows.numel())
         if bucket is None or batch.decode is None:
             return None
-        step, replay = self.steps.get(bucket) or self._capture(*bucket)
+        graph = self.steps[bucket] if bucket in self.steps else self._capture(*bucket)
+        if graph is None:
+            return None
+        step, replay = graph
         step.load(input_ids, positions, batch.slot_mapping, batch.decode, self.scratch_block, self.block_size)
         self.replayed += 1
         return replay()[:input_ids.numel()]
@@ -168,11 +185,19 @@ class DecodeGraphs:
         width = next((w for w in self.widths if w >= d.block_table.shape[1]), None)
         return None if size is None or width is None else (size, width)
 
-    def _capture(self, size: int, width: int) -> tuple[StaticStep, Step]:
+    def _capture(self, size: int, width: int) -> tuple[StaticStep, Step] | None:
         step = StaticStep.padding(size, width, self.scratch_block, self.block_size, self.device)
-        decode = DecodeBatch(step.rows, step.table, step.context_lens, torch.ones_like(step.rows), native=False)
-        batch = AttentionBatch(step.slots, [], decode)
-        replay = self.capture(lambda: self.forward(step.input_ids, step.positions, batch, step.rows))
+        ids, positions, slots, lens, table = step.views()
+        rows = torch.arange(size, device=self.device)
+        batch = AttentionBatch(slots, [], DecodeBatch(rows, table, lens, torch.ones_like(rows), native=False))
+        logits = self.logits[:size]
+        try:
+            replay = self.capture(lambda: logits.copy_(self.forward(ids, positions, batch, rows)))
+        except RuntimeError as exc:  # out of memory, above all: such steps run op by op instead
+            log.warning("no graph for decode steps of %d rows over %d blocks (%s); they run op by op", size, width,
+                        exc)
+            self.steps[(size, width)] = None
+            return None
         self.steps[(size, width)] = (step, replay)
         log.info("captured the decode step of %d rows over %d blocks each (%d graphs)", size, width, len(self.steps))
         return step, replay

@@ -64,7 +64,8 @@ class TorchModelRunner:
         # decodes in the row form, through PyTorch's ops: one batched call, not a span per sequence
         self.row_decode = not on_cpu
         self.native_prefill = self.device.type == "cpu" and prefill_attention.supported(dtype, cfg.head_dim)
-        self.graphs = None if graphs is None else DecodeGraphs(self.forward, graphs, num_blocks, block_size, device)
+        self.graphs = None if graphs is None else DecodeGraphs(self.forward, graphs, num_blocks, block_size,
+                                                               cfg.vocab_size, device)
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
         input_ids, positions, batch, logits_rows = self._prepare(out, kv)

