@@ -19,6 +19,7 @@ PACKAGE = Path(tokenmill.__file__).parent
 FORBIDDEN = {"api": ("engine", "bench"), "fleet": ("engine", "bench", "api"),
              "runtime": ("engine", "bench"), "router": ("engine", "bench"),
              "planner": ("engine", "bench"),
+             "tenants": ("engine", "engines", "api", "fleet", "router", "runtime", "worker", "planner", "bench"),
              "textgen": ("engine", "api", "fleet", "router", "runtime", "worker", "kv", "sim", "planner", "bench",
                          "transfer"),
              "workloads": ("engine", "engines", "api", "fleet", "router", "runtime", "worker", "planner", "bench",

@@ -25,6 +25,7 @@ from tokenmill.api.launch import (
     model_name,
     router_policy,
     run_http,
+    tenants_from,
 )
 from tokenmill.engines import VLLM
 from tokenmill.engines.options import check_vllm_transfer_backends
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         _check_topology(args)
         disagg_config(args)
         event_plane(args, "check")  # a bad --event-plane names itself here, before any worker starts
+        tenants_from(args)
         RouterConfig(policy=router_policy(args), events_stale_after_s=args.events_stale_after_s)
         if args.planner_mode is not None:  # (the planner's modules load the simulator: only when asked)
             from tokenmill.planner.in_process import check_flags

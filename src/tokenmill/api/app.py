@@ -33,6 +33,8 @@ from tokenmill.api.routes_completions import create_completion
 from tokenmill.api.routes_responses import create_response
 from tokenmill.api.schema import ModelCard, ModelList
 from tokenmill.backend import Backend
+from tokenmill.tenants.config import Tenants
+from tokenmill.tenants.usage import Tenancy
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +45,17 @@ def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour:
                request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, manage_backend: bool = True,
                keys: ApiKeys = ApiKeys(), access_log: bool = True, tool_call_parser: str | None = None,
-               api_servers: int = 1) -> HotRoutes:
+               api_servers: int = 1, tenants: Tenants | None = None) -> HotRoutes:
     """The ASGI app. `request_timeout_s` is every request's deadline (None: none);
     `usd_per_worker_hour` enables the `tokenmill_cost_per_million_tokens` gauge;
     `keys` guard the `/v1` and `/admin` routes (`auth.py`); `access_log` writes a line per
     generation request (`access_log.py`); `tool_call_parser` overrides the chat template's call format;
-    `api_servers` is how many frontends share the deployment (the dashboard's toggles need one)."""
+    `api_servers` is how many frontends share the deployment (the dashboard's toggles need one);
+    `tenants` name each `/v1` caller by its key, with its quotas (`tenancy.py`)."""
     metrics = FrontendMetrics(backend.metrics_snapshot, usd_per_worker_hour)
+    tenancy = None if tenants is None else Tenancy(tenants, metrics.registry)
     ctx = ServingContext(backend, metrics, served_model_name, request_timeout_s, max_body_bytes, int(time.time()),
-                         tool_call_parser)
+                         tool_call_parser, tenancy=tenancy)
 
     dashboard = Dashboard(ctx, keys.api, api_servers)
 
@@ -76,7 +80,7 @@ def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour:
     hot = {"/v1/completions": partial(create_completion, ctx),
            "/v1/chat/completions": partial(create_chat_completion, ctx),
            "/v1/responses": partial(create_response, ctx)}
-    outer = HotRoutes(app, hot, metrics.count_http_error, keys, AccessLog(access_log))
+    outer = HotRoutes(app, hot, metrics.count_http_error, keys, AccessLog(access_log), tenancy)
     dashboard.attach(outer)
     return outer
 

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from tokenmill.api.launch import add_frontend_flags, make_backend, run_http
+from tokenmill.api.launch import add_frontend_flags, make_backend, run_http, tenants_from
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.runtime import event_loop
 
@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.runtime.discovery import discovery_from_url
 
     try:
+        tenants_from(args)
         discovery = discovery_from_url(args.discovery)
         backend = make_backend(args, discovery)
     except (ValueError, FileNotFoundError) as exc:

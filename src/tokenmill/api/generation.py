@@ -19,6 +19,7 @@ from starlette.types import Receive
 from tokenmill.api.errors import APIError, from_value_error, overloaded_error, unavailable_error
 from tokenmill.api.metrics import FrontendMetrics, RequestTimer
 from tokenmill.backend import Backend, BackendUnavailable, Overloaded
+from tokenmill.tenants.usage import Tenancy
 from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
 from tokenmill.textgen.sampling import SamplingParams
 
@@ -35,6 +36,7 @@ class ServingContext:
     created: int
     tool_call_parser: str | None = None  # hermes, llama3_json; None: read from the chat template
     planner: Any = None  # `serve --planner`: the in-process planner (planner/in_process.PlannerTask)
+    tenancy: Tenancy | None = None  # `--tenants FILE`: each tenant's quotas and usage
 
 
 def outcome(finish_reason: str | None) -> str:

@@ -6,7 +6,9 @@ frontend's CPU per request, for nothing those routes use. `HotRoutes` sits in fr
 the FastAPI app: /v1/completions and /v1/chat/completions go directly to their handlers
 (any method but POST is a 405), with their exceptions mapped by the same `error_response`
 the FastAPI app uses; every other request (and the lifespan) goes to the FastAPI app.
-Every HTTP request passes the API-key check here first (`auth.py`), whichever app serves it.
+Every HTTP request passes the API-key check here first (`auth.py`), whichever app serves it;
+with tenants (`tenancy.py`) a `/v1` request names its tenant by its key instead, and a generation
+request passes its tenant's quotas.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenmill.api.access_log import AccessLog
 from tokenmill.api.auth import ApiKeys
 from tokenmill.api.errors import APIError, error_response
+from tokenmill.api.tenancy import admitted, authenticate
+from tokenmill.tenants.usage import Tenancy, TenantAccount
 
 Handler = Callable[[Request], Awaitable[ASGIApp]]  # a response is an ASGI app
 
@@ -27,12 +31,13 @@ Handler = Callable[[Request], Awaitable[ASGIApp]]  # a response is an ASGI app
 class HotRoutes:
     def __init__(self, app: FastAPI, handlers: dict[str, Handler],
                  count_error: Callable[[int], None] | None = None, keys: ApiKeys = ApiKeys(),
-                 access_log: AccessLog | None = None) -> None:
+                 access_log: AccessLog | None = None, tenancy: Tenancy | None = None) -> None:
         self.app = app
         self.handlers = handlers
         self.count_error = count_error
         self.keys = keys
         self.access_log = access_log or AccessLog()
+        self.tenancy = tenancy
 
     @property
     def state(self):  # what callers of create_app read off a FastAPI app
@@ -45,20 +50,44 @@ class HotRoutes:
         handler = self.handlers.get(scope["path"])
         request = Request(scope, receive, send)
         try:
-            if self.keys.required_for(scope["path"]) is not None:  # (no key configured: no header parsing)
-                self.keys.check(scope["path"], request.headers.get("authorization"))
-            elif scope["path"].startswith("/admin/"):
-                client = scope.get("client")
-                self.keys.check_origin(scope["path"], client[0] if client else None)
+            account = self._check_key(scope, request)
         except APIError as exc:
             await error_response(request, exc, self.count_error)(scope, receive, send)
             return
         if handler is None:
             await self.app(scope, receive, send)
+        elif account is not None:
+            await self._generate_for(account, handler, request, send)
         elif self.access_log.active():
             await self.access_log.serve(request, send, lambda logged: self._generate(handler, request, logged))
         else:
             await self._generate(handler, request, send)
+
+    def _check_key(self, scope: Scope, request: Request) -> TenantAccount | None:
+        """Raises the 401 (or the 403 of an unguarded admin route off this host); a `/v1` request's
+        tenant where there are tenants."""
+        path = scope["path"]
+        if self.tenancy is not None and (path == "/v1" or path.startswith("/v1/")):
+            return authenticate(self.tenancy, request.headers.get("authorization"))
+        if self.keys.required_for(path) is not None:  # (no key configured: no header parsing)
+            self.keys.check(path, request.headers.get("authorization"))
+        elif path.startswith("/admin/"):
+            client = scope.get("client")
+            self.keys.check_origin(path, client[0] if client else None)
+        return None
+
+    async def _generate_for(self, account: TenantAccount, handler: Handler, request: Request, send: Send) -> None:
+        """A tenant's generation request: refused (429, not counted as the fleet's overload) when
+        over its quotas, else served as any other while it holds its slot."""
+        try:
+            with admitted(account):
+                if self.access_log.active():
+                    await self.access_log.serve(request, send,
+                                                lambda logged: self._generate(handler, request, logged))
+                else:
+                    await self._generate(handler, request, send)
+        except APIError as exc:
+            await error_response(request, exc, None)(request.scope, request.receive, send)
 
     async def _generate(self, handler: Handler, request: Request, send: Send) -> None:
         try:

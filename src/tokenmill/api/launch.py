@@ -42,6 +42,10 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $TOKENMILL_API_KEY)")
     parser.add_argument("--admin-api-key", default=None,
                         help="the key /admin routes require (default: $TOKENMILL_ADMIN_API_KEY, else the API key)")
+    parser.add_argument("--tenants", default=None, metavar="FILE",
+                        help="a TOML file of tenants (keys, priority class, weight, quotas): /v1 then takes "
+                             "their keys only, refuses a request over its tenant's quota with 429, and counts "
+                             "each tenant's use (tokenmill_tenant_*, GET /admin/tenants)")
     parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                         help="the format the model writes tool calls in (default: read from its chat template)")
     parser.add_argument("--no-access-log", action="store_true",
@@ -73,7 +77,8 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
             *(["--event-plane", args.event_plane] if args.event_plane else []),
             *(["--no-kv-snapshot-on-join"] if args.no_kv_snapshot_on_join else []),
             "--reuse-port", *(["--no-access-log"] if args.no_access_log else []),
-            *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])]
+            *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
+            *(["--tenants", str(Path(args.tenants).resolve())] if args.tenants else [])]
 
 
 def event_plane(args: argparse.Namespace, name: str):
@@ -135,7 +140,7 @@ async def run_http(args: argparse.Namespace, backend) -> None:
     app = create_app(backend, model_name(args), usd_per_worker_hour=args.usd_per_worker_hour or None,
                      request_timeout_s=args.request_timeout_s, keys=api_keys(args),
                      access_log=not args.no_access_log, tool_call_parser=args.tool_call_parser,
-                     api_servers=getattr(args, "api_servers", 1))
+                     api_servers=getattr(args, "api_servers", 1), tenants=tenants_from(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            http="httptools", access_log=False,
                                            timeout_graceful_shutdown=5))
@@ -173,6 +178,18 @@ def _start_planner(app, args: argparse.Namespace):
     ctx = app.app.state.serving
     ctx.planner = start(app, args, ctx.metrics.registry, api_keys(args).admin)
     return ctx.planner
+
+
+def tenants_from(args: argparse.Namespace):
+    """`--tenants FILE`'s tenants (None without it); ValueError naming the flag and the field."""
+    if args.tenants is None:
+        return None
+    if ApiKeys.resolve(args.api_key, None).api is not None:
+        raise ValueError("--api-key: with --tenants, /v1 takes the tenants' keys only; give this key to a tenant "
+                         "(keys = [...]) or leave it out")
+    from tokenmill.tenants.config import load_tenants
+
+    return load_tenants(args.tenants)
 
 
 def api_keys(args: argparse.Namespace) -> ApiKeys:

@@ -22,6 +22,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenmill.api.metric_families import typed_families
+from tokenmill.api.tenancy import current_account
+from tokenmill.tenants.usage import TenantAccount
 
 log = logging.getLogger(__name__)
 
@@ -212,14 +214,16 @@ class FrontendMetrics:
         now = time.monotonic()
         self.requests_started.inc()
         self.prompt_tokens_per_second.add(now, prompt_tokens)
-        return RequestTimer(self, now)
+        return RequestTimer(self, now, current_account.get())
 
 
 @dataclass(slots=True)
 class RequestTimer:
-    """One request's latency bookkeeping: TTFT at the first token, ITL per token after it."""
+    """One request's latency bookkeeping: TTFT at the first token, ITL per token after it; its
+    outcome and tokens are charged to its tenant too, where it has one."""
     metrics: FrontendMetrics
     arrival: float
+    account: TenantAccount | None = None
     last_token_at: float | None = None
     ttft_s: float | None = None
 
@@ -250,3 +254,5 @@ class RequestTimer:
         m.input_tokens_squared.inc(prompt_tokens * prompt_tokens)
         m.output_tokens.inc(output_tokens)
         m.cached_tokens.inc(cached_tokens)
+        if self.account is not None:
+            self.account.finished(status, prompt_tokens, output_tokens, cached_tokens)

@@ -12,6 +12,10 @@ blocks are pinned.
 and tier: block counts and an order-free digest (`router/index_view.py`), the hashes on request;
 404 where no router runs (one embedded engine).
 
+`GET /admin/tenants` lists the tenants of `--tenants FILE` (`tenants/usage.py`): class, weight,
+quotas, requests in flight, finished requests by outcome, refusals by quota and tokens; 404
+without a tenants file.
+
 `GET /admin/workers` lists `tokenmill serve`'s workers (`fleet/worker_control.py`: name, role, state,
 pid, in-flight requests, started_at, and live replicas counted by role and state); `POST
 /admin/workers` changes them, answering 202 with the records it touched:
@@ -201,6 +205,12 @@ def admin_router(ctx: ServingContext) -> APIRouter:
         if hashes not in ("true", "false"):
             raise invalid_param("hashes", f"hashes must be true or false, got {hashes!r}")
         return JSONResponse(view(hashes == "true"))
+
+    @router.get("/admin/tenants")
+    async def tenants() -> JSONResponse:
+        if ctx.tenancy is None:
+            raise APIError(404, "no tenants here (serve or frontend --tenants FILE)", code="not_found")
+        return JSONResponse({"object": "list", "file": ctx.tenancy.tenants.path, "data": ctx.tenancy.table()})
 
     @router.get("/admin/workers")
     async def list_workers() -> JSONResponse:

@@ -1,0 +1,115 @@
+"""Tenants over a real `tokenmill serve` (mock runner): keys name tenants, quotas answer 429 with
+Retry-After naming the quota, and the per-tenant counters and `/admin/tenants` match what was sent."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serving.conftest import Server, start_server, stop_server
+from tests.serving.probes import metric
+from tokenmill.api.launch import add_frontend_flags, tenants_from
+
+TENANTS = """
+[tenants.assistant]
+keys = ["k-assistant"]
+class = "interactive"
+
+[tenants.sweeps]
+keys = ["k-sweeps"]
+class = "batch"
+max_concurrent = 1
+
+[tenants.trickle]
+keys = ["k-trickle"]
+requests_per_s = 0.001
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    run_dir = tmp_path_factory.mktemp("tenants")
+    (run_dir / "tenants.toml").write_text(TENANTS)
+    served = start_server(tiny_dense, run_dir, "--runner", "mock", "--mock-step-time", "0.01,0,0,0",
+                          "--tenants", str(run_dir / "tenants.toml"))
+    try:
+        yield served
+    finally:
+        stop_server(served)
+
+
+def _complete(server: Server, key: str | None, prompt: list[int], max_tokens: int) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + "/v1/completions", headers=headers, timeout=60, trust_env=False,
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+
+
+def test_only_a_tenants_key_reaches_v1(server: Server) -> None:
+    for key in (None, "k-nobody"):
+        refused = _complete(server, key, [5, 6, 7], 2)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    models = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k-assistant"}, timeout=10,
+                       trust_env=False)
+    assert models.status_code == 200
+    assert httpx.get(server.url + "/health", timeout=10, trust_env=False).status_code == 200
+
+
+def test_quotas_refuse_with_429_naming_them_and_counters_match_what_was_sent(server: Server) -> None:
+    headers = {"Authorization": "Bearer k-sweeps"}
+    body = {"model": "tiny", "prompt": [9, 10, 11, 12], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", headers=headers, json=body, timeout=60,
+                      trust_env=False) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # admitted and generating
+        busy = _complete(server, "k-sweeps", [9, 10], 2)
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+        error = busy.json()["error"]
+        assert error["type"] == "rate_limit_error" and "'sweeps' is over its max_concurrent quota (1" in error["message"]
+        prompts = [[20 + i] * (3 + i) for i in range(3)]
+        served = [_complete(server, "k-assistant", p, 5 + i) for i, p in enumerate(prompts)]  # not held up
+        assert [r.status_code for r in served] == [200] * 3
+        list(lines)  # the stream to its end
+    assert _complete(server, "k-sweeps", [9, 10], 2).status_code == 200  # its slot is free again
+    assert _complete(server, "k-trickle", [3, 4], 2).status_code == 200
+    slow = _complete(server, "k-trickle", [3, 4], 2)
+    assert slow.status_code == 429 and int(slow.headers["retry-after"]) >= 999
+    assert "requests_per_s quota" in slow.json()["error"]["message"]
+
+    url = server.url
+    assert metric(url, "tokenmill_tenant_requests_total", tenant="assistant", status="success") == 3
+    assert metric(url, "tokenmill_tenant_input_tokens_total", tenant="assistant") == sum(map(len, prompts))
+    assert metric(url, "tokenmill_tenant_output_tokens_total", tenant="assistant") == 5 + 6 + 7
+    assert metric(url, "tokenmill_tenant_requests_total", tenant="sweeps", status="success") == 2
+    assert metric(url, "tokenmill_tenant_output_tokens_total", tenant="sweeps") == 400 + 2
+    assert metric(url, "tokenmill_tenant_refused_requests_total", tenant="sweeps", quota="max_concurrent") == 1
+    assert metric(url, "tokenmill_tenant_refused_requests_total", tenant="trickle", quota="requests_per_s") == 1
+    assert metric(url, "tokenmill_tenant_requests_in_flight", tenant="sweeps") == 0
+
+    rows = {row["name"]: row for row in httpx.get(url + "/admin/tenants", timeout=10, trust_env=False).json()["data"]}
+    assert rows["assistant"]["class"] == "interactive" and rows["assistant"]["requests"] == {"success": 3}
+    assert rows["sweeps"]["quotas"] == {"max_concurrent": 1}
+    assert rows["sweeps"]["refused"] == {"max_concurrent": 1} and rows["sweeps"]["output_tokens"] == 402
+    assert rows["trickle"]["in_flight"] == 0 and rows["trickle"]["refused"] == {"requests_per_s": 1}
+
+
+def test_serve_refuses_a_bad_tenants_file_naming_the_field(tiny_dense: Path, tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text('[tenants.a]\nkeys = ["k"]\nclass = "gold"\n')
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(tiny_dense), "--port", "0",
+                           "--runner", "mock", "--tenants", str(path)], capture_output=True, text=True, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "tenants.a.class: must be one of" in lines[0], done.stderr
+
+
+def test_a_global_api_key_beside_tenants_is_refused_naming_it(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_frontend_flags(parser)
+    (tmp_path / "t.toml").write_text('[tenants.a]\nkeys = ["k"]\n')
+    with pytest.raises(ValueError, match="^--api-key: with --tenants"):
+        tenants_from(parser.parse_args(["--tenants", str(tmp_path / "t.toml"), "--api-key", "secret"]))
+    assert tenants_from(parser.parse_args(["--tenants", str(tmp_path / "t.toml")])).tenants[0].name == "a"
