@@ -20,6 +20,7 @@ from tokenmill.api.launch import (
     api_keys,
     disagg_config,
     event_plane,
+    fleet_queue,
     frontend_argv,
     make_backend,
     model_name,
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         disagg_config(args)
         event_plane(args, "check")  # a bad --event-plane names itself here, before any worker starts
         tenants_from(args)
+        fleet_queue(args)
         RouterConfig(policy=router_policy(args), events_stale_after_s=args.events_stale_after_s)
         if args.planner_mode is not None:  # (the planner's modules load the simulator: only when asked)
             from tokenmill.planner.in_process import check_flags

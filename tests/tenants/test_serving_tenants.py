@@ -3,6 +3,7 @@ Retry-After naming the quota, and the per-tenant counters and `/admin/tenants` m
 from __future__ import annotations
 
 import argparse
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -113,3 +114,88 @@ def test_a_global_api_key_beside_tenants_is_refused_naming_it(tmp_path: Path) ->
     with pytest.raises(ValueError, match="^--api-key: with --tenants"):
         tenants_from(parser.parse_args(["--tenants", str(tmp_path / "t.toml"), "--api-key", "secret"]))
     assert tenants_from(parser.parse_args(["--tenants", str(tmp_path / "t.toml")])).tenants[0].name == "a"
+
+
+QUEUED = """
+[tenants.assistant]
+keys = ["k-assistant"]
+class = "interactive"
+
+[tenants.sweeps]
+keys = ["k-sweeps"]
+class = "batch"
+"""
+
+
+@pytest.fixture(scope="module")
+def queued_server(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    run_dir = tmp_path_factory.mktemp("queued")
+    (run_dir / "tenants.toml").write_text(QUEUED)
+    served = start_server(tiny_dense, run_dir, "--runner", "mock", "--mock-step-time", "0.01,0,0,0",
+                          "--tenants", str(run_dir / "tenants.toml"), "--max-in-flight", "1")
+    try:
+        yield served
+    finally:
+        stop_server(served)
+
+
+def test_a_saturated_fleet_lets_a_waiting_interactive_request_in_before_waiting_batch_ones(
+        queued_server: Server) -> None:
+    url = queued_server.url
+
+    def waiting() -> dict[str, int]:
+        rows = httpx.get(url + "/admin/tenants", timeout=10, trust_env=False).json()["data"]
+        return {row["name"]: row["waiting"] for row in rows}
+
+    async def main() -> list[str]:
+        done: list[str] = []
+        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as client:
+            async def one(key: str, name: str, max_tokens: int) -> None:
+                r = await client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"}, json={
+                    "model": "tiny", "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                done.append(name)
+
+            async def until(condition) -> None:
+                for _ in range(300):
+                    if condition(await asyncio.to_thread(waiting)):
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError(f"the queue never reached the expected state: {waiting()}")
+
+            body = {"model": "tiny", "prompt": [9, 10], "max_tokens": 300, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body,
+                                     headers={"Authorization": "Bearer k-sweeps"}) as stream:
+                lines = stream.aiter_lines()
+                while not (await anext(lines)).startswith("data:"):  # the one slot is taken
+                    pass
+                batch = [asyncio.create_task(one("k-sweeps", f"sweeps-{i}", 20)) for i in range(4)]
+                await until(lambda w: w["sweeps"] == 4)
+                interactive = asyncio.create_task(one("k-assistant", "assistant", 5))
+                await until(lambda w: w["assistant"] == 1)
+                async for _ in lines:  # the stream to its end: its slot frees
+                    pass
+            await asyncio.gather(*batch, interactive)
+        return done
+    assert asyncio.run(main())[0] == "assistant"
+    assert metric(url, "tokenmill_tenant_requests_total", tenant="sweeps", status="success") == 5
+    assert waiting() == {"assistant": 0, "sweeps": 0}
+
+
+def test_a_wait_past_the_queue_timeout_is_a_503_with_retry_after() -> None:
+    from tokenmill.api.errors import APIError
+    from tokenmill.api.tenancy import FleetQueue
+
+    async def main() -> APIError:
+        queue = FleetQueue(1, timeout_s=0.05)
+        held = await queue.acquire(10)
+        try:
+            await queue.acquire(10)
+        except APIError as exc:
+            held.release(10)
+            return exc
+        raise AssertionError("the second stream was let in past the fleet's one slot")
+    error = asyncio.run(main())
+    assert error.status == 503 and error.headers == {"Retry-After": "1"}
+    assert "saturated for the 0.05 s" in error.detail.message and "--queue-timeout-s" in error.detail.message
+    assert error.detail.code == "queue_timeout"

@@ -32,6 +32,7 @@ from tokenmill.api.routes_chat import create_chat_completion
 from tokenmill.api.routes_completions import create_completion
 from tokenmill.api.routes_responses import create_response
 from tokenmill.api.schema import ModelCard, ModelList
+from tokenmill.api.tenancy import FleetQueue
 from tokenmill.backend import Backend
 from tokenmill.tenants.config import Tenants
 from tokenmill.tenants.usage import Tenancy
@@ -45,17 +46,18 @@ def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour:
                request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, manage_backend: bool = True,
                keys: ApiKeys = ApiKeys(), access_log: bool = True, tool_call_parser: str | None = None,
-               api_servers: int = 1, tenants: Tenants | None = None) -> HotRoutes:
+               api_servers: int = 1, tenants: Tenants | None = None, queue: FleetQueue | None = None) -> HotRoutes:
     """The ASGI app. `request_timeout_s` is every request's deadline (None: none);
     `usd_per_worker_hour` enables the `tokenmill_cost_per_million_tokens` gauge;
     `keys` guard the `/v1` and `/admin` routes (`auth.py`); `access_log` writes a line per
     generation request (`access_log.py`); `tool_call_parser` overrides the chat template's call format;
     `api_servers` is how many frontends share the deployment (the dashboard's toggles need one);
-    `tenants` name each `/v1` caller by its key, with its quotas (`tenancy.py`)."""
+    `tenants` name each `/v1` caller by its key, with its quotas, and `queue` holds the streams past
+    the fleet's slots (`tenancy.py`)."""
     metrics = FrontendMetrics(backend.metrics_snapshot, usd_per_worker_hour)
     tenancy = None if tenants is None else Tenancy(tenants, metrics.registry)
     ctx = ServingContext(backend, metrics, served_model_name, request_timeout_s, max_body_bytes, int(time.time()),
-                         tool_call_parser, tenancy=tenancy)
+                         tool_call_parser, tenancy=tenancy, queue=queue)
 
     dashboard = Dashboard(ctx, keys.api, api_servers)
 

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from tokenmill.api.launch import add_frontend_flags, make_backend, run_http, tenants_from
+from tokenmill.api.launch import add_frontend_flags, fleet_queue, make_backend, run_http, tenants_from
 from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.runtime import event_loop
 
@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         tenants_from(args)
+        fleet_queue(args)
         discovery = discovery_from_url(args.discovery)
         backend = make_backend(args, discovery)
     except (ValueError, FileNotFoundError) as exc:

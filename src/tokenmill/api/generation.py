@@ -18,6 +18,7 @@ from starlette.types import Receive
 
 from tokenmill.api.errors import APIError, from_value_error, overloaded_error, unavailable_error
 from tokenmill.api.metrics import FrontendMetrics, RequestTimer
+from tokenmill.api.tenancy import FleetQueue, FleetSlot
 from tokenmill.backend import Backend, BackendUnavailable, Overloaded
 from tokenmill.tenants.usage import Tenancy
 from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
@@ -37,6 +38,7 @@ class ServingContext:
     tool_call_parser: str | None = None  # hermes, llama3_json; None: read from the chat template
     planner: Any = None  # `serve --planner`: the in-process planner (planner/in_process.PlannerTask)
     tenancy: Tenancy | None = None  # `--tenants FILE`: each tenant's quotas and usage
+    queue: FleetQueue | None = None  # `--max-in-flight N`: requests beyond N wait, fairly shared out
 
 
 def outcome(finish_reason: str | None) -> str:
@@ -45,30 +47,29 @@ def outcome(finish_reason: str | None) -> str:
 
 
 class TokenStream:
-    def __init__(self, source: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer) -> None:
+    def __init__(self, source: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer,
+                 slot: FleetSlot | None = None) -> None:
         self.source = source
         self.first = first
         self.timer = timer
         self.last = first
         self.error_message: str | None = None
+        self.slot = slot  # `--max-in-flight`: the fleet's slot this stream holds until it ends
 
     @classmethod
     async def open(cls, ctx: ServingContext, request_id: str, prompt: list[int], params: SamplingParams,
                    aliases: dict[str, str], follow: str | None = None) -> TokenStream:
         timer = ctx.metrics.start_request(len(prompt))
+        slot = None if ctx.queue is None else await ctx.queue.acquire(len(prompt) + params.max_tokens)
         deadline = None if ctx.request_timeout_s is None else time.monotonic() + ctx.request_timeout_s
         source = ctx.backend.generate(request_id, prompt, params, deadline, follow=follow)
         try:
-            first = await anext(source)
-        except ValueError as exc:
-            raise from_value_error(exc, aliases) from exc
-        except Overloaded as exc:
-            raise overloaded_error(exc) from exc
-        except BackendUnavailable as exc:
-            raise unavailable_error(exc) from exc
-        except StopAsyncIteration as exc:
-            raise APIError(500, "the backend ended the stream without output", "server_error") from exc
-        return cls(source, first, timer)
+            first = await _first(source, aliases)
+        except BaseException:
+            if slot is not None:
+                slot.release(len(prompt))  # refused, or gone before its first token: the slot is free again
+            raise
+        return cls(source, first, timer, slot)
 
     async def deltas(self) -> AsyncIterator[RequestOutput]:
         """Every delta, ending with a finished one (a backend failure becomes an "error" delta)."""
@@ -87,6 +88,7 @@ class TokenStream:
             await self.source.aclose()  # aborts an unfinished request and frees its KV
             last = self.last
             self.timer.on_finish(status, last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+            self._release()
 
     async def _next(self) -> RequestOutput:
         try:
@@ -103,9 +105,28 @@ class TokenStream:
     async def close(self) -> None:
         """Abandon the stream unread (another choice of its request failed): aborts its generation."""
         await self.source.aclose()
+        self._release()
+
+    def _release(self) -> None:
+        if self.slot is not None:
+            self.slot.release(self.last.num_prompt_tokens + self.last.num_output_tokens)
 
     async def collect(self) -> list[RequestOutput]:
         return [out async for out in self.deltas()]
+
+
+async def _first(source: AsyncIterator[RequestOutput], aliases: dict[str, str]) -> RequestOutput:
+    """The stream's first delta; every refusal before it as its HTTP error."""
+    try:
+        return await anext(source)
+    except ValueError as exc:
+        raise from_value_error(exc, aliases) from exc
+    except Overloaded as exc:
+        raise overloaded_error(exc) from exc
+    except BackendUnavailable as exc:
+        raise unavailable_error(exc) from exc
+    except StopAsyncIteration as exc:
+        raise APIError(500, "the backend ended the stream without output", "server_error") from exc
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -46,6 +46,11 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
                         help="a TOML file of tenants (keys, priority class, weight, quotas): /v1 then takes "
                              "their keys only, refuses a request over its tenant's quota with 429, and counts "
                              "each tenant's use (tokenmill_tenant_*, GET /admin/tenants)")
+    parser.add_argument("--max-in-flight", type=int, default=None, metavar="N",
+                        help="streams this frontend lets into the fleet at once; the others wait, released by "
+                             "their tenant's class, then its weighted share of tokens (default: no limit)")
+    parser.add_argument("--queue-timeout-s", type=float, default=60.0,
+                        help="with --max-in-flight: how long a stream may wait for a slot before a 503")
     parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                         help="the format the model writes tool calls in (default: read from its chat template)")
     parser.add_argument("--no-access-log", action="store_true",
@@ -78,7 +83,9 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
             *(["--no-kv-snapshot-on-join"] if args.no_kv_snapshot_on_join else []),
             "--reuse-port", *(["--no-access-log"] if args.no_access_log else []),
             *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
-            *(["--tenants", str(Path(args.tenants).resolve())] if args.tenants else [])]
+            *(["--tenants", str(Path(args.tenants).resolve())] if args.tenants else []),
+            *(["--max-in-flight", str(args.max_in_flight)] if args.max_in_flight else []),
+            "--queue-timeout-s", str(args.queue_timeout_s)]
 
 
 def event_plane(args: argparse.Namespace, name: str):
@@ -140,7 +147,8 @@ async def run_http(args: argparse.Namespace, backend) -> None:
     app = create_app(backend, model_name(args), usd_per_worker_hour=args.usd_per_worker_hour or None,
                      request_timeout_s=args.request_timeout_s, keys=api_keys(args),
                      access_log=not args.no_access_log, tool_call_parser=args.tool_call_parser,
-                     api_servers=getattr(args, "api_servers", 1), tenants=tenants_from(args))
+                     api_servers=getattr(args, "api_servers", 1), tenants=tenants_from(args),
+                     queue=fleet_queue(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            http="httptools", access_log=False,
                                            timeout_graceful_shutdown=5))
@@ -190,6 +198,19 @@ def tenants_from(args: argparse.Namespace):
     from tokenmill.tenants.config import load_tenants
 
     return load_tenants(args.tenants)
+
+
+def fleet_queue(args: argparse.Namespace):
+    """`--max-in-flight`'s queue (None without it); ValueError naming the flag."""
+    if not args.queue_timeout_s > 0:
+        raise ValueError(f"--queue-timeout-s must be positive, got {args.queue_timeout_s}")
+    if args.max_in_flight is None:
+        return None
+    if args.max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be at least 1, got {args.max_in_flight}")
+    from tokenmill.api.tenancy import FleetQueue
+
+    return FleetQueue(args.max_in_flight, args.queue_timeout_s)
 
 
 def api_keys(args: argparse.Namespace) -> ApiKeys:

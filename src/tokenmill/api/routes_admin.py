@@ -13,8 +13,8 @@ and tier: block counts and an order-free digest (`router/index_view.py`), the ha
 404 where no router runs (one embedded engine).
 
 `GET /admin/tenants` lists the tenants of `--tenants FILE` (`tenants/usage.py`): class, weight,
-quotas, requests in flight, finished requests by outcome, refusals by quota and tokens; 404
-without a tenants file.
+quotas, requests in flight and waiting for a slot (`--max-in-flight`), finished requests by
+outcome, refusals by quota and tokens; 404 without a tenants file.
 
 `GET /admin/workers` lists `tokenmill serve`'s workers (`fleet/worker_control.py`: name, role, state,
 pid, in-flight requests, started_at, and live replicas counted by role and state); `POST
@@ -210,7 +210,10 @@ def admin_router(ctx: ServingContext) -> APIRouter:
     async def tenants() -> JSONResponse:
         if ctx.tenancy is None:
             raise APIError(404, "no tenants here (serve or frontend --tenants FILE)", code="not_found")
-        return JSONResponse({"object": "list", "file": ctx.tenancy.tenants.path, "data": ctx.tenancy.table()})
+        rows = ctx.tenancy.table()
+        for row in rows:  # streams waiting for one of the fleet's slots (--max-in-flight)
+            row["waiting"] = 0 if ctx.queue is None else ctx.queue.fair.waiting_for(row["name"])
+        return JSONResponse({"object": "list", "file": ctx.tenancy.tenants.path, "data": rows})
 
     @router.get("/admin/workers")
     async def list_workers() -> JSONResponse:

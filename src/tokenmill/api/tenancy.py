@@ -6,6 +6,10 @@ that tenant.
 The request's account travels with its task (`current_account`, set here for the request's
 lifetime): every stream it opens, `n` choices included, is charged by the frontend's own request
 bookkeeping (`metrics.RequestTimer`) without each route passing it on.
+
+With `--max-in-flight N` (`FleetQueue`) a stream past the fleet's N waits for a slot, released by
+its tenant's class and fair share (`tenants/fair_queue.py`; without tenants every request is one
+default tenant's, in arrival order); a wait past `--queue-timeout-s` is a 503 with `Retry-After`.
 """
 from __future__ import annotations
 
@@ -13,12 +17,16 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
-from tokenmill.api.errors import APIError
+from tokenmill.api.errors import SERVER_ERROR, APIError
+from tokenmill.tenants.config import Tenant
+from tokenmill.tenants.fair_queue import FairQueue, QueueTimeout, Slot
 from tokenmill.tenants.quotas import Refusal
 from tokenmill.tenants.usage import Tenancy, TenantAccount
 
 current_account: ContextVar[TenantAccount | None] = ContextVar("tokenmill_tenant_account", default=None)
+DEFAULT_TENANT = Tenant("default", ())  # every request's, where no tenants file names them
 
 
 def authenticate(tenancy: Tenancy, authorization: str | None) -> TenantAccount:
@@ -47,3 +55,30 @@ def admitted(account: TenantAccount) -> Iterator[None]:
 def quota_error(refusal: Refusal) -> APIError:
     return APIError(429, refusal.message, "rate_limit_error", code="rate_limit_exceeded",
                     headers={"Retry-After": str(max(1, math.ceil(refusal.retry_after_s)))})
+
+
+@dataclass(slots=True)
+class FleetSlot:
+    queue: FairQueue
+    slot: Slot
+
+    def release(self, used_tokens: int) -> None:
+        """The stream is over (once; again changes nothing), having used these tokens."""
+        self.queue.release(self.slot, used_tokens)
+
+
+class FleetQueue:
+    def __init__(self, max_in_flight: int, timeout_s: float | None) -> None:
+        self.fair = FairQueue(max_in_flight)
+        self.timeout_s = timeout_s
+
+    async def acquire(self, cost: int) -> FleetSlot:
+        """A slot for a stream of about `cost` tokens (prompt + max_tokens), for the request's tenant."""
+        account = current_account.get()
+        try:
+            slot = await self.fair.acquire(DEFAULT_TENANT if account is None else account.tenant, cost,
+                                           self.timeout_s)
+        except QueueTimeout as exc:
+            raise APIError(503, f"{exc} (--queue-timeout-s); retry later", SERVER_ERROR, code="queue_timeout",
+                           headers={"Retry-After": "1"}) from exc
+        return FleetSlot(self.fair, slot)
