@@ -6,19 +6,28 @@ tokens, who is admitted and who is preempted. The engine's `Scheduler` and the f
     for seq, start, num_tokens in step.chunks: ...compute positions [start, start + num_tokens)...
     step.preempted                           # lost their blocks, now at the front of `waiting`
 
-The rules, in order (`waiting` is a FIFO; `running` is in admission order):
+Every sequence has a priority (`book.priority`, lower is more urgent: a tenant's class); with
+one priority for all, the rules below are first come, first served. In order (`waiting` is a
+FIFO; `running` is in admission order):
+0. While the most urgent waiting sequence is more urgent than a running one and `max_num_seqs`
+   run, the least urgent running sequence (the latest admitted among those) is preempted to
+   make room for it.
 1. Running sequences with one uncomputed token (decodes) first, then those with more (prefills),
-   each in `running` order; each computes min(its uncomputed tokens, the step's budget left),
-   so a long prompt is cut into chunks and never stalls decodes for more than one chunk.
-   A decode with speculative drafts also computes as many of them as the budget left allows,
-   when the pool holds them without preempting anyone (else it decodes its one token).
-2. When the pool cannot hold a running sequence's next tokens, the latest-admitted running
-   sequence not yet scheduled this step (the sequence itself if there is no other) is preempted:
-   `book.preempt` frees its blocks (they stay in the prefix cache), and it moves to the front of
-   `waiting`, to be recomputed.
-3. Only if nothing was preempted, waiting sequences are admitted in order while budget is left
-   and fewer than `max_num_seqs` run: each starts after its cached prefix and computes what is
-   left of the budget. The first one the pool cannot hold stops admission (no overtaking).
+   each group by priority, then in `running` order; each computes min(its uncomputed tokens, the
+   step's budget left), so a long prompt is cut into chunks and never stalls decodes for more
+   than one chunk. Prefills less urgent than the most urgent waiting sequence come after
+   admission (rule 3): a less urgent prompt never holds a more urgent one's first token back by
+   more than the one step's chunk it had started. A decode with speculative drafts also computes
+   as many of them as the budget left allows, when the pool holds them without preempting anyone
+   (else it decodes its one token).
+2. When the pool cannot hold a running sequence's next tokens, the least urgent running sequence
+   not yet scheduled this step, the latest admitted among those (the sequence itself if there is
+   no other), is preempted: `book.preempt` frees its blocks (they stay in the prefix cache), and
+   it moves to the front of `waiting`, to be recomputed.
+3. Unless rule 2 preempted, waiting sequences are admitted, the most urgent first and in order
+   among equals, while budget is left and fewer than `max_num_seqs` run: each starts after its
+   cached prefix and computes what is left of the budget. The first one the pool cannot hold
+   stops admission (no overtaking).
 
 `plan_step` changes `waiting` and `running` and, through the book, the sequences and the pool;
 the caller records what the step computed once it has run (the engine's `advance`, the
@@ -64,6 +73,9 @@ class StepBook(Protocol[S]):
 
     def is_running(self, seq: S) -> bool: ...
 
+    def priority(self, seq: S) -> int:
+        """Lower is more urgent (0: the default)."""
+
     def grow(self, seq: S, num_tokens: int) -> bool:
         """Blocks for the first `num_tokens` positions of a running sequence; False, changing
         nothing, when the pool is short."""
@@ -83,16 +95,51 @@ class StepBook(Protocol[S]):
 
 def plan_step(book: StepBook[S], waiting: deque[S], running: list[S], limits: StepLimits) -> PlannedStep[S]:
     step: PlannedStep[S] = PlannedStep()
+    _make_room(book, waiting, running, limits, step)
+    making_room = len(step.preempted)
     budget = limits.max_num_batched_tokens
-    decodes = [s for s in running if book.known(s) - book.computed(s) == 1]
-    prefills = [s for s in running if book.known(s) - book.computed(s) > 1]
-    for seq in decodes + prefills:
-        if budget == 0 or not book.is_running(seq):
-            continue  # preempted earlier in this loop
-        budget -= _schedule_running(book, seq, budget, waiting, running, step)
-    if not step.preempted:
-        _admit_waiting(book, budget, waiting, running, limits, step)
+    decodes = sorted((s for s in running if book.known(s) - book.computed(s) == 1), key=book.priority)
+    prefills = sorted((s for s in running if book.known(s) - book.computed(s) > 1), key=book.priority)
+    most_urgent_waiting = min(map(book.priority, waiting), default=None)
+    before = [s for s in prefills if most_urgent_waiting is None or book.priority(s) <= most_urgent_waiting]
+    for seq in decodes + before:
+        budget = _schedule(book, seq, budget, waiting, running, step)
+    if len(step.preempted) == making_room:
+        budget = _admit_waiting(book, budget, waiting, running, limits, step)
+    for seq in prefills[len(before):]:
+        budget = _schedule(book, seq, budget, waiting, running, step)
     return step
+
+
+def _schedule(book: StepBook[S], seq: S, budget: int, waiting: deque[S], running: list[S],
+              step: PlannedStep[S]) -> int:
+    """A running sequence's chunk, if budget is left and it was not preempted earlier in the
+    step: the budget left after it."""
+    if budget == 0 or not book.is_running(seq):
+        return budget
+    return budget - _schedule_running(book, seq, budget, waiting, running, step)
+
+
+def _make_room(book: StepBook[S], waiting: deque[S], running: list[S], limits: StepLimits,
+               step: PlannedStep[S]) -> None:
+    """Rule 0: the least urgent running sequences give their places to more urgent waiting ones."""
+    while waiting and running and len(running) >= limits.max_num_seqs:
+        victim = _least_urgent(book, running)
+        if book.priority(victim) <= min(book.priority(s) for s in waiting):
+            return
+        _preempt(book, victim, waiting, running, step)
+
+
+def _least_urgent(book: StepBook[S], candidates: list[S]) -> S:
+    """The least urgent of `candidates` (in admission order), the latest admitted among equals."""
+    return max(enumerate(candidates), key=lambda pair: (book.priority(pair[1]), pair[0]))[1]
+
+
+def _preempt(book: StepBook[S], victim: S, waiting: deque[S], running: list[S], step: PlannedStep[S]) -> None:
+    running.remove(victim)
+    book.preempt(victim)
+    waiting.appendleft(victim)
+    step.preempted.append(victim)
 
 
 def _schedule_running(book: StepBook[S], seq: S, budget: int, waiting: deque[S], running: list[S],
@@ -105,11 +152,8 @@ def _schedule_running(book: StepBook[S], seq: S, budget: int, waiting: deque[S],
     while not book.grow(seq, book.computed(seq) + n):
         scheduled = {id(chunk[0]) for chunk in step.chunks}  # only here: per sequence it made steps O(batch²)
         victims = [s for s in running if id(s) not in scheduled and s is not seq]
-        victim = victims[-1] if victims else seq
-        running.remove(victim)
-        book.preempt(victim)
-        waiting.appendleft(victim)
-        step.preempted.append(victim)
+        victim = _least_urgent(book, victims) if victims else seq
+        _preempt(book, victim, waiting, running, step)
         if victim is seq:
             return 0
     step.chunks.append((seq, book.computed(seq), n))
@@ -117,15 +161,17 @@ def _schedule_running(book: StepBook[S], seq: S, budget: int, waiting: deque[S],
 
 
 def _admit_waiting(book: StepBook[S], budget: int, waiting: deque[S], running: list[S], limits: StepLimits,
-                   step: PlannedStep[S]) -> None:
+                   step: PlannedStep[S]) -> int:
+    """Rule 3: the budget left after admission."""
     while waiting and budget > 0 and len(running) < limits.max_num_seqs:
-        seq = waiting[0]
+        seq = min(waiting, key=book.priority)  # the first of the most urgent
         cached, hits = book.cached_prefix(seq)
         n = min(book.known(seq) - cached, budget)
         start = book.admit(seq, hits, cached + n)
         if start is None:
             break
-        waiting.popleft()
+        waiting.remove(seq)
         running.append(seq)
         step.chunks.append((seq, start, n))
         budget -= n
+    return budget

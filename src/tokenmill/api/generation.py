@@ -60,6 +60,8 @@ class TokenStream:
     async def open(cls, ctx: ServingContext, request_id: str, prompt: list[int], params: SamplingParams,
                    aliases: dict[str, str], follow: str | None = None) -> TokenStream:
         timer = ctx.metrics.start_request(len(prompt))
+        if timer.account is not None:  # the engine admits, schedules and preempts by the tenant's class
+            params.priority = timer.account.tenant.priority
         slot = None if ctx.queue is None else await ctx.queue.acquire(len(prompt) + params.max_tokens)
         deadline = None if ctx.request_timeout_s is None else time.monotonic() + ctx.request_timeout_s
         source = ctx.backend.generate(request_id, prompt, params, deadline, follow=follow)

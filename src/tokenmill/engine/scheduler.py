@@ -86,6 +86,9 @@ class _RequestBook:
     def is_running(self, request: Request) -> bool:
         return request.status is RequestStatus.RUNNING
 
+    def priority(self, request: Request) -> int:
+        return request.params.priority
+
     def grow(self, request: Request, num_tokens: int) -> bool:
         return self.kv.allocate(request.request_id, num_tokens)
 

@@ -41,6 +41,12 @@ class Tenant:
     weight: float = 1.0
     quotas: Quotas = Quotas()
 
+    @property
+    def priority(self) -> int:
+        """Its requests' priority in the engine (lower is more urgent): interactive -1, standard 0,
+        batch 1; a request without a tenant has 0."""
+        return CLASSES.index(self.priority_class) - 1
+
 
 @dataclass(slots=True, frozen=True)
 class Tenants:

@@ -27,6 +27,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM/HF: seen tokens' (prompt or output) logits divided (>0) or multiplied
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     grammar: str | None = None  # llguidance grammar the output must match (structured outputs, forced tools)
+    # lower is more urgent: the engine admits, schedules and preempts by it (a tenant's class)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -38,6 +40,7 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, low=-1)
+        _check_int("priority", self.priority, low=-(2**31), high=2**31 - 1)
         if self.seed is not None:
             _check_int("seed", self.seed, low=-(2**63))
         if not isinstance(self.stop_token_ids, (list, tuple)) or \

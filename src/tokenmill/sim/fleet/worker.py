@@ -54,6 +54,7 @@ class SimSeq:
     prefill_only: bool = False
     finished: bool = False
     preemptions: int = 0
+    priority: int = 0  # lower is more urgent (step_policy)
 
     def __post_init__(self) -> None:
         self.num_tokens = self.num_tokens or self.prompt_tokens
@@ -108,6 +109,9 @@ class _SeqBook:
 
     def is_running(self, seq: SimSeq) -> bool:
         return seq.running
+
+    def priority(self, seq: SimSeq) -> int:
+        return seq.priority
 
     def grow(self, seq: SimSeq, num_tokens: int) -> bool:
         return self.kv.allocate(seq.kv, num_tokens)
