@@ -16,21 +16,28 @@ def tenant(name: str, weight: float = 1.0, cls: str = "standard") -> Tenant:
 
 
 async def served_tokens(queue: FairQueue, senders: dict[Tenant, list[int]], releases: int) -> Counter[str]:
-    """Every sender's requests (their costs) queued at once behind a held slot; then `releases`
-    slots freed one at a time, each request using exactly its cost: the tokens each tenant got."""
-    held = await queue.acquire(tenant("holder"), 1, None)
-    tasks = [asyncio.create_task(queue.acquire(t, cost, None)) for t, costs in senders.items() for cost in costs]
+    """Every sender's requests queued at once behind a held slot; then `releases` slots freed one
+    at a time, each request's streams charging its cost: the tokens each tenant got."""
+    held = await queue.acquire(tenant("holder"), None)
+    costs = {}
+    tasks = []
+    for t, sent in senders.items():
+        for cost in sent:
+            task = asyncio.create_task(queue.acquire(t, None))
+            costs[task] = cost
+            tasks.append(task)
     await asyncio.sleep(0)
     got: Counter[str] = Counter()
-    queue.release(held, 1)
+    queue.release(held)
     for _ in range(releases):
         for _ in range(20):  # the grant reaches its waiting task through a few loop turns
             await asyncio.sleep(0)
         done = [t for t in tasks if t.done() and not t.result().released]
         assert len(done) == 1  # one slot: one request at a time
         slot = done[0].result()
-        got[slot.tenant.name] += slot.cost
-        queue.release(slot, slot.cost)
+        got[slot.tenant.name] += costs[done[0]]
+        queue.charge(slot, costs[done[0]])
+        queue.release(slot)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -48,20 +55,21 @@ def test_backlogged_tenants_get_tokens_by_weight_whatever_their_request_counts(w
 def test_a_waiting_interactive_request_goes_before_every_waiting_batch_one() -> None:
     async def main() -> list[str]:
         queue = FairQueue(1)
-        held = await queue.acquire(tenant("holder"), 1, None)
+        held = await queue.acquire(tenant("holder"), None)
         order: list[str] = []
 
         async def one(t: Tenant) -> None:
-            slot = await queue.acquire(t, 10, None)
+            slot = await queue.acquire(t, None)
             order.append(t.name)
             await asyncio.sleep(0)
-            queue.release(slot, 10)
+            queue.charge(slot, 10)
+            queue.release(slot)
         tasks = [asyncio.create_task(one(tenant("sweeps", cls="batch"))) for _ in range(4)]
         await asyncio.sleep(0)
         tasks.append(asyncio.create_task(one(tenant("plain"))))
         tasks.append(asyncio.create_task(one(tenant("assistant", cls="interactive"))))
         await asyncio.sleep(0)
-        queue.release(held, 1)
+        queue.release(held)
         await asyncio.gather(*tasks)
         return order
     assert asyncio.run(main()) == ["assistant", "plain", "sweeps", "sweeps", "sweeps", "sweeps"]
@@ -70,21 +78,28 @@ def test_a_waiting_interactive_request_goes_before_every_waiting_batch_one() -> 
 def test_a_wait_past_its_timeout_raises_and_a_cancelled_waiter_holds_no_slot() -> None:
     async def main() -> None:
         queue = FairQueue(1)
-        held = await queue.acquire(tenant("a"), 1, None)
+        held = await queue.acquire(tenant("a"), None)
         with pytest.raises(QueueTimeout, match="saturated for the 0.05 s"):
-            await queue.acquire(tenant("b"), 1, 0.05)
+            await queue.acquire(tenant("b"), 0.05)
         assert queue.waiting_for("b") == 0
-        gone = asyncio.create_task(queue.acquire(tenant("c"), 1, None))
+        gone = asyncio.create_task(queue.acquire(tenant("c"), None))
         await asyncio.sleep(0)
         assert queue.waiting_for("c") == 1
         gone.cancel()
         await asyncio.gather(gone, return_exceptions=True)
         assert queue.waiting_for("c") == 0
-        queue.release(held, 1)
-        queue.release(held, 1)  # a second release of one slot changes nothing
+        queue.release(held)
+        queue.release(held)  # a second release of one slot changes nothing
         assert queue.in_flight == 0
-        again = await queue.acquire(tenant("d"), 1, 0.05)
+        again = await queue.acquire(tenant("d"), 0.05)
         assert queue.in_flight == 1 and not again.released
+        # granted and cancelled at once: the grant is handed back, not kept by a task that is gone
+        racing = asyncio.create_task(queue.acquire(tenant("e"), None))
+        await asyncio.sleep(0)
+        queue.release(again)
+        racing.cancel()
+        await asyncio.gather(racing, return_exceptions=True)
+        assert racing.cancelled() and queue.in_flight == 0 and queue.waiting_for("e") == 0
     asyncio.run(main())
 
 
@@ -93,7 +108,9 @@ def test_a_tenant_back_from_idle_gets_no_credit_for_it() -> None:
         queue = FairQueue(1)
         busy, idle = tenant("busy"), tenant("idle")
         for _ in range(50):  # busy alone for a while: its virtual time runs ahead, the class's with it
-            queue.release(await queue.acquire(busy, 10, None), 10)
+            slot = await queue.acquire(busy, None)
+            queue.charge(slot, 10)
+            queue.release(slot)
         return await served_tokens(queue, {busy: [10] * 40, idle: [10] * 40}, 20)
     got = asyncio.run(main())
     assert got["busy"] == pytest.approx(got["idle"], rel=0.25)  # shared from the start, not idle first

@@ -111,7 +111,7 @@ def test_a_global_api_key_beside_tenants_is_refused_naming_it(tmp_path: Path) ->
     parser = argparse.ArgumentParser()
     add_frontend_flags(parser)
     (tmp_path / "t.toml").write_text('[tenants.a]\nkeys = ["k"]\n')
-    with pytest.raises(ValueError, match="^--api-key: with --tenants"):
+    with pytest.raises(ValueError, match=r"^--api-key \(or \$TOKENMILL_API_KEY\): with --tenants"):
         tenants_from(parser.parse_args(["--tenants", str(tmp_path / "t.toml"), "--api-key", "secret"]))
     assert tenants_from(parser.parse_args(["--tenants", str(tmp_path / "t.toml")])).tenants[0].name == "a"
 
@@ -184,17 +184,17 @@ def test_a_saturated_fleet_lets_a_waiting_interactive_request_in_before_waiting_
 
 def test_a_wait_past_the_queue_timeout_is_a_503_with_retry_after() -> None:
     from tokenmill.api.errors import APIError
-    from tokenmill.api.tenancy import FleetQueue
+    from tokenmill.api.tenancy import DEFAULT_TENANT, FleetQueue
 
     async def main() -> APIError:
         queue = FleetQueue(1, timeout_s=0.05)
-        held = await queue.acquire(10)
+        held = await queue.acquire(DEFAULT_TENANT)
         try:
-            await queue.acquire(10)
+            await queue.acquire(DEFAULT_TENANT)
         except APIError as exc:
-            held.release(10)
+            queue.fair.release(held.slot)
             return exc
-        raise AssertionError("the second stream was let in past the fleet's one slot")
+        raise AssertionError("the second request was let in past the fleet's one slot")
     error = asyncio.run(main())
     assert error.status == 503 and error.headers == {"Retry-After": "1"}
     assert "saturated for the 0.05 s" in error.detail.message and "--queue-timeout-s" in error.detail.message

@@ -41,7 +41,12 @@ def test_a_good_file_gives_each_tenant_its_keys_class_weight_and_quotas(tmp_path
 
 @pytest.mark.parametrize(("text", "named"), [
     ('[tenants.a]\nkeys = ["k"]\nclass = "gold"', "tenants.a.class: must be one of interactive, standard, batch"),
-    ('[tenants.a]\nkeys = []', "tenants.a.keys: must be a list of at least one non-empty string"),
+    ('[tenants.a]\nkeys = []', "tenants.a.keys: must be a list of at least one key"),
+    ('[tenants.a]\nkeys = [" k "]', "tenants.a.keys: must be a list of at least one key, each printable ASCII"),
+    ('[tenants.a]\nkeys = ["ké"]', "tenants.a.keys"),
+    ('[tenants.a]\nkeys = ["k", "k"]', "tenants.a.keys: a key is listed twice"),
+    ('[tenants.""]\nkeys = ["k"]', "a tenant needs a name"),
+    ('[tenants.a]\nkeys = ["k"]\nweight = 1e-320', "tenants.a.weight: must be between 0.001 and 1e+06"),
     ('[tenants.a]\nclass = "batch"', "tenants.a.keys"),
     ('[tenants.a]\nkeys = ["k", " "]', "tenants.a.keys"),
     ('[tenants.a]\nkeys = ["k"]\n[tenants.b]\nkeys = ["k"]', "tenants.b.keys: a key of tenants.a too"),

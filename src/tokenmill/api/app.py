@@ -82,7 +82,7 @@ def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour:
     hot = {"/v1/completions": partial(create_completion, ctx),
            "/v1/chat/completions": partial(create_chat_completion, ctx),
            "/v1/responses": partial(create_response, ctx)}
-    outer = HotRoutes(app, hot, metrics.count_http_error, keys, AccessLog(access_log), tenancy)
+    outer = HotRoutes(app, hot, metrics.count_http_error, keys, AccessLog(access_log), tenancy, queue)
     dashboard.attach(outer)
     return outer
 

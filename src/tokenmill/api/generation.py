@@ -18,7 +18,7 @@ from starlette.types import Receive
 
 from tokenmill.api.errors import APIError, from_value_error, overloaded_error, unavailable_error
 from tokenmill.api.metrics import FrontendMetrics, RequestTimer
-from tokenmill.api.tenancy import FleetQueue, FleetSlot
+from tokenmill.api.tenancy import FleetQueue
 from tokenmill.backend import Backend, BackendUnavailable, Overloaded
 from tokenmill.tenants.usage import Tenancy
 from tokenmill.textgen.outputs import FINISH_ABORT, FINISH_ERROR, RequestOutput
@@ -47,31 +47,32 @@ def outcome(finish_reason: str | None) -> str:
 
 
 class TokenStream:
-    def __init__(self, source: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer,
-                 slot: FleetSlot | None = None) -> None:
+    def __init__(self, source: AsyncIterator[RequestOutput], first: RequestOutput, timer: RequestTimer) -> None:
         self.source = source
         self.first = first
         self.timer = timer
         self.last = first
         self.error_message: str | None = None
-        self.slot = slot  # `--max-in-flight`: the fleet's slot this stream holds until it ends
 
     @classmethod
     async def open(cls, ctx: ServingContext, request_id: str, prompt: list[int], params: SamplingParams,
                    aliases: dict[str, str], follow: str | None = None) -> TokenStream:
         timer = ctx.metrics.start_request(len(prompt))
-        if timer.account is not None:  # the engine admits, schedules and preempts by the tenant's class
-            params.priority = timer.account.tenant.priority
-        slot = None if ctx.queue is None else await ctx.queue.acquire(len(prompt) + params.max_tokens)
+        if timer.scope is not None and timer.scope.account is not None:
+            params.priority = timer.scope.account.tenant.priority  # the engine orders requests by it
         deadline = None if ctx.request_timeout_s is None else time.monotonic() + ctx.request_timeout_s
         source = ctx.backend.generate(request_id, prompt, params, deadline, follow=follow)
         try:
-            first = await _first(source, aliases)
-        except BaseException:
-            if slot is not None:
-                slot.release(len(prompt))  # refused, or gone before its first token: the slot is free again
-            raise
-        return cls(source, first, timer, slot)
+            first = await anext(source)
+        except ValueError as exc:
+            raise from_value_error(exc, aliases) from exc
+        except Overloaded as exc:
+            raise overloaded_error(exc) from exc
+        except BackendUnavailable as exc:
+            raise unavailable_error(exc) from exc
+        except StopAsyncIteration as exc:
+            raise APIError(500, "the backend ended the stream without output", "server_error") from exc
+        return cls(source, first, timer)
 
     async def deltas(self) -> AsyncIterator[RequestOutput]:
         """Every delta, ending with a finished one (a backend failure becomes an "error" delta)."""
@@ -90,7 +91,6 @@ class TokenStream:
             await self.source.aclose()  # aborts an unfinished request and frees its KV
             last = self.last
             self.timer.on_finish(status, last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-            self._release()
 
     async def _next(self) -> RequestOutput:
         try:
@@ -107,28 +107,9 @@ class TokenStream:
     async def close(self) -> None:
         """Abandon the stream unread (another choice of its request failed): aborts its generation."""
         await self.source.aclose()
-        self._release()
-
-    def _release(self) -> None:
-        if self.slot is not None:
-            self.slot.release(self.last.num_prompt_tokens + self.last.num_output_tokens)
 
     async def collect(self) -> list[RequestOutput]:
         return [out async for out in self.deltas()]
-
-
-async def _first(source: AsyncIterator[RequestOutput], aliases: dict[str, str]) -> RequestOutput:
-    """The stream's first delta; every refusal before it as its HTTP error."""
-    try:
-        return await anext(source)
-    except ValueError as exc:
-        raise from_value_error(exc, aliases) from exc
-    except Overloaded as exc:
-        raise overloaded_error(exc) from exc
-    except BackendUnavailable as exc:
-        raise unavailable_error(exc) from exc
-    except StopAsyncIteration as exc:
-        raise APIError(500, "the backend ended the stream without output", "server_error") from exc
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

@@ -47,10 +47,11 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
                              "their keys only, refuses a request over its tenant's quota with 429, and counts "
                              "each tenant's use (tokenmill_tenant_*, GET /admin/tenants)")
     parser.add_argument("--max-in-flight", type=int, default=None, metavar="N",
-                        help="streams this frontend lets into the fleet at once; the others wait, released by "
-                             "their tenant's class, then its weighted share of tokens (default: no limit)")
+                        help="generation requests this frontend lets into the fleet at once; the others wait, "
+                             "released by their tenant's class, then its weighted share of tokens (default: no "
+                             "limit)")
     parser.add_argument("--queue-timeout-s", type=float, default=60.0,
-                        help="with --max-in-flight: how long a stream may wait for a slot before a 503")
+                        help="with --max-in-flight: how long a request may wait for a slot before a 503")
     parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                         help="the format the model writes tool calls in (default: read from its chat template)")
     parser.add_argument("--no-access-log", action="store_true",
@@ -193,8 +194,8 @@ def tenants_from(args: argparse.Namespace):
     if args.tenants is None:
         return None
     if ApiKeys.resolve(args.api_key, None).api is not None:
-        raise ValueError("--api-key: with --tenants, /v1 takes the tenants' keys only; give this key to a tenant "
-                         "(keys = [...]) or leave it out")
+        raise ValueError("--api-key (or $TOKENMILL_API_KEY): with --tenants, /v1 takes the tenants' keys only; "
+                         "give this key to a tenant (keys = [...]) or leave it out")
     from tokenmill.tenants.config import load_tenants
 
     return load_tenants(args.tenants)

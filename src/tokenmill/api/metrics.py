@@ -22,8 +22,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenmill.api.metric_families import typed_families
-from tokenmill.api.tenancy import current_account
-from tokenmill.tenants.usage import TenantAccount
+from tokenmill.api.tenancy import RequestScope, current_request
 
 log = logging.getLogger(__name__)
 
@@ -214,16 +213,16 @@ class FrontendMetrics:
         now = time.monotonic()
         self.requests_started.inc()
         self.prompt_tokens_per_second.add(now, prompt_tokens)
-        return RequestTimer(self, now, current_account.get())
+        return RequestTimer(self, now, current_request.get())
 
 
 @dataclass(slots=True)
 class RequestTimer:
-    """One request's latency bookkeeping: TTFT at the first token, ITL per token after it; its
-    outcome and tokens are charged to its tenant too, where it has one."""
+    """One stream's latency bookkeeping: TTFT at the first token, ITL per token after it; its
+    outcome and tokens are charged to its request's tenant and fleet slot too, where it has them."""
     metrics: FrontendMetrics
     arrival: float
-    account: TenantAccount | None = None
+    scope: RequestScope | None = None
     last_token_at: float | None = None
     ttft_s: float | None = None
 
@@ -254,5 +253,5 @@ class RequestTimer:
         m.input_tokens_squared.inc(prompt_tokens * prompt_tokens)
         m.output_tokens.inc(output_tokens)
         m.cached_tokens.inc(cached_tokens)
-        if self.account is not None:
-            self.account.finished(status, prompt_tokens, output_tokens, cached_tokens)
+        if self.scope is not None:
+            self.scope.finished(status, prompt_tokens, output_tokens, cached_tokens)

@@ -1,21 +1,25 @@
-"""Tenants at the HTTP edge (`serve/frontend --tenants FILE`, `tenants/`): a `/v1` request names
-its tenant by its key (401 for a key no tenant holds), a generation request passes its tenant's
-quotas (429 with `Retry-After` and a message naming the quota) and its streams are charged to
-that tenant.
+"""Tenants and the fleet's slots at the HTTP edge (`tenants/`).
 
-The request's account travels with its task (`current_account`, set here for the request's
-lifetime): every stream it opens, `n` choices included, is charged by the frontend's own request
-bookkeeping (`metrics.RequestTimer`) without each route passing it on.
+With `--tenants FILE` a `/v1` request names its tenant by its key (401 for a key no tenant holds),
+and a generation request must pass its tenant's quotas (429 with `Retry-After`, the message
+naming the quota). With `--max-in-flight N` a generation request then waits for one of N slots,
+released by its tenant's class and fair share (`tenants/fair_queue.py`; without tenants every
+request is one default tenant's, in arrival order); a wait past `--queue-timeout-s` is a 503 with
+`Retry-After`. A request holds its quota place and its slot until its response is sent, whatever
+its streams do.
 
-With `--max-in-flight N` (`FleetQueue`) a stream past the fleet's N waits for a slot, released by
-its tenant's class and fair share (`tenants/fair_queue.py`; without tenants every request is one
-default tenant's, in arrival order); a wait past `--queue-timeout-s` is a 503 with `Retry-After`.
+    async with request_scope(account, queue):   # APIError on entry: 429 (quota) or 503 (queue)
+        ...                                      # the response, sent
+
+Its scope travels with its task (`current_request`, set here): every stream it opens, `n` choices
+included, is charged to its tenant and its slot by the frontend's own request bookkeeping
+(`metrics.RequestTimer`) without each route passing it on.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -25,8 +29,45 @@ from tokenmill.tenants.fair_queue import FairQueue, QueueTimeout, Slot
 from tokenmill.tenants.quotas import Refusal
 from tokenmill.tenants.usage import Tenancy, TenantAccount
 
-current_account: ContextVar[TenantAccount | None] = ContextVar("tokenmill_tenant_account", default=None)
 DEFAULT_TENANT = Tenant("default", ())  # every request's, where no tenants file names them
+
+
+@dataclass(slots=True)
+class FleetSlot:
+    queue: FairQueue
+    slot: Slot
+
+    def charge(self, tokens: int) -> None:
+        self.queue.charge(self.slot, tokens)
+
+
+@dataclass(slots=True, frozen=True)
+class RequestScope:
+    account: TenantAccount | None  # its tenant's, with --tenants
+    slot: FleetSlot | None  # the fleet's slot it holds, with --max-in-flight
+
+    def finished(self, status: str, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None:
+        """One of its streams ended."""
+        if self.account is not None:
+            self.account.finished(status, prompt_tokens, output_tokens, cached_tokens)
+        if self.slot is not None:
+            self.slot.charge(prompt_tokens + output_tokens)
+
+
+current_request: ContextVar[RequestScope | None] = ContextVar("tokenmill_request_scope", default=None)
+
+
+class FleetQueue:
+    def __init__(self, max_in_flight: int, timeout_s: float | None) -> None:
+        self.fair = FairQueue(max_in_flight)
+        self.timeout_s = timeout_s
+
+    async def acquire(self, tenant: Tenant) -> FleetSlot:
+        try:
+            return FleetSlot(self.fair, await self.fair.acquire(tenant, self.timeout_s))
+        except QueueTimeout as exc:
+            raise APIError(503, f"{exc} (--queue-timeout-s); retry later", SERVER_ERROR, code="queue_timeout",
+                           headers={"Retry-After": "1"}) from exc
 
 
 def authenticate(tenancy: Tenancy, authorization: str | None) -> TenantAccount:
@@ -38,47 +79,25 @@ def authenticate(tenancy: Tenancy, authorization: str | None) -> TenantAccount:
     return account
 
 
-@contextmanager
-def admitted(account: TenantAccount) -> Iterator[None]:
-    """The request within its tenant's quotas (APIError 429 otherwise), charged to it meanwhile."""
-    refusal = account.admit()
-    if refusal is not None:
+@asynccontextmanager
+async def request_scope(account: TenantAccount | None, queue: FleetQueue | None) -> AsyncIterator[None]:
+    """A generation request past its quotas and the queue, charged for its streams meanwhile."""
+    if account is not None and (refusal := account.admit()) is not None:
         raise quota_error(refusal)
-    token = current_account.set(account)
     try:
-        yield
+        slot = None if queue is None else await queue.acquire(DEFAULT_TENANT if account is None else account.tenant)
+        token = current_request.set(RequestScope(account, slot))
+        try:
+            yield
+        finally:
+            current_request.reset(token)
+            if slot is not None:
+                slot.queue.release(slot.slot)
     finally:
-        current_account.reset(token)
-        account.release()
+        if account is not None:
+            account.release()
 
 
 def quota_error(refusal: Refusal) -> APIError:
-    return APIError(429, refusal.message, "rate_limit_error", code="rate_limit_exceeded",
+    return APIError(429, refusal.message, "rate_limit_error", code="tenant_quota_exceeded",
                     headers={"Retry-After": str(max(1, math.ceil(refusal.retry_after_s)))})
-
-
-@dataclass(slots=True)
-class FleetSlot:
-    queue: FairQueue
-    slot: Slot
-
-    def release(self, used_tokens: int) -> None:
-        """The stream is over (once; again changes nothing), having used these tokens."""
-        self.queue.release(self.slot, used_tokens)
-
-
-class FleetQueue:
-    def __init__(self, max_in_flight: int, timeout_s: float | None) -> None:
-        self.fair = FairQueue(max_in_flight)
-        self.timeout_s = timeout_s
-
-    async def acquire(self, cost: int) -> FleetSlot:
-        """A slot for a stream of about `cost` tokens (prompt + max_tokens), for the request's tenant."""
-        account = current_account.get()
-        try:
-            slot = await self.fair.acquire(DEFAULT_TENANT if account is None else account.tenant, cost,
-                                           self.timeout_s)
-        except QueueTimeout as exc:
-            raise APIError(503, f"{exc} (--queue-timeout-s); retry later", SERVER_ERROR, code="queue_timeout",
-                           headers={"Retry-After": "1"}) from exc
-        return FleetSlot(self.fair, slot)

@@ -24,6 +24,7 @@ from typing import Any
 
 CLASSES = ("interactive", "standard", "batch")  # highest priority first
 FIELDS = ("keys", "class", "weight", "requests_per_s", "tokens_per_min", "max_concurrent")
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e6  # shares far outside these are a typo, and would overflow the fair queue
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,22 +93,34 @@ def load_tenants(path: str | Path) -> Tenants:
     return Tenants(str(path), tenants)
 
 
+def _sendable(key: str) -> bool:
+    return bool(key) and all("!" <= c <= "~" for c in key)
+
+
 def _tenant(where: str, name: str, table: Any) -> Tenant:
     at = f"{where}: tenants.{name}"
+    if not name.strip():
+        raise ValueError(f"{where}: tenants: a tenant needs a name ([tenants.NAME])")
     if not isinstance(table, dict):
         raise ValueError(f"{at}: must be a table ([tenants.{name}])")
     unknown = sorted(set(table) - set(FIELDS))
     if unknown:
         raise ValueError(f"{at}.{unknown[0]}: unknown field (known: {', '.join(FIELDS)})")
     keys = table.get("keys")
-    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k.strip() for k in keys):
-        raise ValueError(f"{at}.keys: must be a list of at least one non-empty string")
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and _sendable(k) for k in keys):
+        raise ValueError(f"{at}.keys: must be a list of at least one key, each printable ASCII without spaces "
+                         "(what an Authorization header carries)")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"{at}.keys: a key is listed twice")
     priority_class = table.get("class", "standard")
     if priority_class not in CLASSES:
         raise ValueError(f"{at}.class: must be one of {', '.join(CLASSES)}, got {priority_class!r}")
     quotas = Quotas(_positive(at, table, "requests_per_s", float), _positive(at, table, "tokens_per_min", int),
                     _positive(at, table, "max_concurrent", int))
-    return Tenant(name, tuple(keys), priority_class, _positive(at, table, "weight", float) or 1.0, quotas)
+    weight = _positive(at, table, "weight", float) or 1.0
+    if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        raise ValueError(f"{at}.weight: must be between {MIN_WEIGHT:g} and {MAX_WEIGHT:g}, got {weight:g}")
+    return Tenant(name, tuple(keys), priority_class, weight, quotas)
 
 
 def _positive(at: str, table: dict, name: str, kind: type) -> Any:

@@ -2,16 +2,17 @@
 then by each tenant's weighted share of tokens within the class.
 
     queue = FairQueue(max_in_flight=64)
-    slot = await queue.acquire(tenant, cost=prompt_tokens + max_tokens, timeout_s=30)  # QueueTimeout
-    ...                                             # the request runs
-    queue.release(slot, used_tokens)                # its slot frees; its tenant pays what it used
+    slot = await queue.acquire(tenant, timeout_s=30)   # QueueTimeout past the wait allowed
+    queue.charge(slot, tokens)                         # each of its streams' tokens, as it ends
+    queue.release(slot)                                # the request is over: its slot frees
 
 - Class first: a waiting `interactive` request goes before any `standard` one, and those before
   any `batch` one.
 - Within a class, start-time fair queueing over tokens: each tenant has a virtual time, advanced
-  by cost / weight as its requests are admitted (and corrected to the tokens really used as they
-  end); the waiting request whose tenant's virtual time is least goes first. Backlogged tenants
-  are thus served tokens in proportion to their weights, whatever their request rates (deficit
+  by tokens / weight. A request admitted advances it by the tenant's usual tokens per request
+  (a moving average of its past requests'), which its streams' real tokens replace as they end;
+  the waiting request whose tenant's virtual time is least goes first. Backlogged tenants are
+  thus served tokens in proportion to their weights, whatever their request rates (deficit
   round robin's share, without its rounds). A tenant back from idle starts at the class's
   virtual time, the start of the last request admitted in it: no credit for the idle time.
 - Requests of one tenant go in arrival order.
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 
 from tokenmill.tenants.config import CLASSES, Tenant
 
+COST_SMOOTHING = 0.2  # the weight of a tenant's latest request in its usual tokens per request
+
 
 class QueueTimeout(Exception):
     def __init__(self, waited_s: float) -> None:
@@ -38,14 +41,14 @@ class QueueTimeout(Exception):
 @dataclass(slots=True)
 class Slot:
     tenant: Tenant
-    cost: int
+    estimate: float  # tokens its tenant was charged when it was admitted
+    used: int = 0  # tokens its streams charged since
     released: bool = False
 
 
 @dataclass(slots=True)
 class _Waiter:
     tenant: Tenant
-    cost: int
     order: int
     granted: asyncio.Future[Slot] = field(repr=False)
 
@@ -57,42 +60,52 @@ class FairQueue:
         self.max_in_flight = max_in_flight
         self.in_flight = 0
         self.waiting: dict[str, deque[_Waiter]] = {}  # by tenant, in arrival order
-        self.vtime: dict[str, float] = {}  # by tenant: tokens admitted / weight
+        self.vtime: dict[str, float] = {}  # by tenant: tokens / weight
+        self.usual_cost: dict[str, float] = {}  # by tenant: a moving average of tokens per request
         self.class_vtime = dict.fromkeys(CLASSES, 0.0)
         self._order = itertools.count()
 
     def waiting_for(self, tenant: str) -> int:
         return len(self.waiting.get(tenant, ()))
 
-    async def acquire(self, tenant: Tenant, cost: int, timeout_s: float | None) -> Slot:
+    async def acquire(self, tenant: Tenant, timeout_s: float | None) -> Slot:
         if self.in_flight < self.max_in_flight and not any(self.waiting.values()):
-            return self._admit(tenant, cost)
-        waiter = _Waiter(tenant, cost, next(self._order), asyncio.get_running_loop().create_future())
+            return self._admit(tenant)
+        waiter = _Waiter(tenant, next(self._order), asyncio.get_running_loop().create_future())
         self.waiting.setdefault(tenant.name, deque()).append(waiter)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.granted), timeout_s)
-        except (TimeoutError, asyncio.CancelledError) as exc:
+            async with asyncio.timeout(timeout_s):
+                return await waiter.granted
+        except BaseException as exc:  # timed out or cancelled: out of the queue, or the slot handed back
             self._leave(waiter)
             if isinstance(exc, TimeoutError):
                 raise QueueTimeout(timeout_s or 0.0) from None
             raise
 
-    def release(self, slot: Slot, used_tokens: int) -> None:
-        """Frees the slot (once) and charges its tenant the tokens it used instead of its estimate."""
+    def charge(self, slot: Slot, tokens: int) -> None:
+        slot.used += tokens
+        self.vtime[slot.tenant.name] = self.vtime.get(slot.tenant.name, 0.0) + tokens / slot.tenant.weight
+
+    def release(self, slot: Slot) -> None:
+        """Frees the slot (once): its tenant's estimate gives way to what its streams charged."""
         if slot.released:
             return
         slot.released = True
         self.in_flight -= 1
         name = slot.tenant.name
-        self.vtime[name] = self.vtime.get(name, 0.0) + (used_tokens - slot.cost) / slot.tenant.weight
+        self.vtime[name] = self.vtime.get(name, 0.0) - slot.estimate / slot.tenant.weight
+        usual = self.usual_cost.get(name)
+        if slot.used:  # (a request that ended before any stream did says nothing of its tenant's usual)
+            self.usual_cost[name] = slot.used if usual is None else usual + COST_SMOOTHING * (slot.used - usual)
         self._dispatch()
 
-    def _admit(self, tenant: Tenant, cost: int) -> Slot:
+    def _admit(self, tenant: Tenant) -> Slot:
         start = self._start(tenant)  # (a backlogged tenant's own time is never behind its class's)
+        estimate = self.usual_cost.get(tenant.name, 0.0)
         self.class_vtime[tenant.priority_class] = start
-        self.vtime[tenant.name] = start + cost / tenant.weight
+        self.vtime[tenant.name] = start + estimate / tenant.weight
         self.in_flight += 1
-        return Slot(tenant, cost)
+        return Slot(tenant, estimate)
 
     def _dispatch(self) -> None:
         while self.in_flight < self.max_in_flight:
@@ -102,16 +115,14 @@ class FairQueue:
             rank = CLASSES.index
             first = min(heads, key=lambda w: (rank(w.tenant.priority_class), self._start(w.tenant), w.order))
             self.waiting[first.tenant.name].popleft()
-            first.granted.set_result(self._admit(first.tenant, first.cost))
+            first.granted.set_result(self._admit(first.tenant))
 
     def _start(self, tenant: Tenant) -> float:
         return max(self.vtime.get(tenant.name, 0.0), self.class_vtime[tenant.priority_class])
 
     def _leave(self, waiter: _Waiter) -> None:
-        """A waiter gives up: out of the queue, or, granted meanwhile, its slot handed back."""
         if waiter.granted.done() and not waiter.granted.cancelled():
-            slot = waiter.granted.result()
-            self.release(slot, slot.cost)
+            self.release(waiter.granted.result())  # granted as it gave up: nothing used
             return
         waiter.granted.cancel()
         queue = self.waiting.get(waiter.tenant.name)

@@ -8,8 +8,10 @@ table `GET /admin/tenants` shows.
     account.release()                       # the request is over
     tenancy.table()                         # per tenant: class, weight, quotas, in flight, tallies
 
-A stream counts as the frontend's own `tokenmill_requests_total` and token counters count it, so
-a tenant's figures add up to those (quota refusals aside: those are the tenant's, not the fleet's).
+A stream that reached the engine counts as the frontend's own `tokenmill_requests_total` and
+token counters count it. A request refused before any stream opened (its quota, the queue's
+timeout, the fleet's overload, a bad field) is in no tenant's `requests` (its quota refusals are in
+`refused`).
 """
 from __future__ import annotations
 
