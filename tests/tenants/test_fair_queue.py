@@ -119,3 +119,23 @@ def test_a_tenant_back_from_idle_gets_no_credit_for_it() -> None:
 def test_a_queue_needs_a_slot() -> None:
     with pytest.raises(ValueError, match="--max-in-flight must be at least 1"):
         FairQueue(0)
+
+
+def test_batch_requests_leave_the_other_classes_room() -> None:
+    async def main() -> tuple[int, bool, bool]:
+        queue = FairQueue(5, batch_share=0.8)
+        sweeps = [asyncio.create_task(queue.acquire(tenant("sweeps", cls="batch"), None)) for _ in range(6)]
+        await asyncio.sleep(0)
+        admitted = sum(t.done() for t in sweeps)
+        assistant = await asyncio.wait_for(queue.acquire(tenant("assistant", cls="interactive"), None), 1)
+        full = queue.in_flight == 5
+        queue.release(assistant)  # a slot, but batch ones are at their share: none goes in
+        await asyncio.sleep(0)
+        still = sum(t.done() for t in sweeps) == admitted
+        for task in sweeps:
+            task.cancel()
+        await asyncio.gather(*sweeps, return_exceptions=True)
+        return admitted, full, still
+    assert asyncio.run(main()) == (4, True, True)
+    with pytest.raises(ValueError, match="--batch-share must be in"):
+        FairQueue(4, batch_share=0)

@@ -50,6 +50,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
                         help="generation requests this frontend lets into the fleet at once; the others wait, "
                              "released by their tenant's class, then its weighted share of tokens (default: no "
                              "limit)")
+    parser.add_argument("--batch-share", type=float, default=0.8,
+                        help="with --max-in-flight: the share of its slots batch-class requests may hold, the rest "
+                             "kept for the other classes' arrivals")
     parser.add_argument("--queue-timeout-s", type=float, default=60.0,
                         help="with --max-in-flight: how long a request may wait for a slot before a 503")
     parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
@@ -86,7 +89,7 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
             *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
             *(["--tenants", str(Path(args.tenants).resolve())] if args.tenants else []),
             *(["--max-in-flight", str(args.max_in_flight)] if args.max_in_flight else []),
-            "--queue-timeout-s", str(args.queue_timeout_s)]
+            "--queue-timeout-s", str(args.queue_timeout_s), "--batch-share", str(args.batch_share)]
 
 
 def event_plane(args: argparse.Namespace, name: str):
@@ -211,7 +214,7 @@ def fleet_queue(args: argparse.Namespace):
         raise ValueError(f"--max-in-flight must be at least 1, got {args.max_in_flight}")
     from tokenmill.api.tenancy import FleetQueue
 
-    return FleetQueue(args.max_in_flight, args.queue_timeout_s)
+    return FleetQueue(args.max_in_flight, args.queue_timeout_s, args.batch_share)
 
 
 def api_keys(args: argparse.Namespace) -> ApiKeys:

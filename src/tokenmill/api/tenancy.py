@@ -58,8 +58,8 @@ current_request: ContextVar[RequestScope | None] = ContextVar("tokenmill_request
 
 
 class FleetQueue:
-    def __init__(self, max_in_flight: int, timeout_s: float | None) -> None:
-        self.fair = FairQueue(max_in_flight)
+    def __init__(self, max_in_flight: int, timeout_s: float | None, batch_share: float = 0.8) -> None:
+        self.fair = FairQueue(max_in_flight, batch_share)
         self.timeout_s = timeout_s
 
     async def acquire(self, tenant: Tenant) -> FleetSlot:

@@ -7,7 +7,9 @@ then by each tenant's weighted share of tokens within the class.
     queue.release(slot)                                # the request is over: its slot frees
 
 - Class first: a waiting `interactive` request goes before any `standard` one, and those before
-  any `batch` one.
+  any `batch` one; and `batch` requests hold at most `batch_share` of the slots, so the others'
+  arrivals find room without waiting for a batch request to end (in the engine they then take a
+  batch sequence's place: `step_policy`).
 - Within a class, start-time fair queueing over tokens: each tenant has a virtual time, advanced
   by tokens / weight. A request admitted advances it by the tenant's usual tokens per request
   (a moving average of its past requests'), which its streams' real tokens replace as they end;
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -54,11 +57,15 @@ class _Waiter:
 
 
 class FairQueue:
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(self, max_in_flight: int, batch_share: float = 0.8) -> None:
         if max_in_flight < 1:
             raise ValueError(f"--max-in-flight must be at least 1, got {max_in_flight}")
+        if not 0.0 < batch_share <= 1.0:
+            raise ValueError(f"--batch-share must be in (0, 1], got {batch_share}")
         self.max_in_flight = max_in_flight
+        self.batch_slots = max(1, math.floor(max_in_flight * batch_share))
         self.in_flight = 0
+        self.batch_in_flight = 0
         self.waiting: dict[str, deque[_Waiter]] = {}  # by tenant, in arrival order
         self.vtime: dict[str, float] = {}  # by tenant: tokens / weight
         self.usual_cost: dict[str, float] = {}  # by tenant: a moving average of tokens per request
@@ -69,10 +76,9 @@ class FairQueue:
         return len(self.waiting.get(tenant, ()))
 
     async def acquire(self, tenant: Tenant, timeout_s: float | None) -> Slot:
-        if self.in_flight < self.max_in_flight and not any(self.waiting.values()):
-            return self._admit(tenant)
         waiter = _Waiter(tenant, next(self._order), asyncio.get_running_loop().create_future())
         self.waiting.setdefault(tenant.name, deque()).append(waiter)
+        self._dispatch()
         try:
             async with asyncio.timeout(timeout_s):
                 return await waiter.granted
@@ -92,6 +98,7 @@ class FairQueue:
             return
         slot.released = True
         self.in_flight -= 1
+        self.batch_in_flight -= slot.tenant.priority_class == "batch"
         name = slot.tenant.name
         self.vtime[name] = self.vtime.get(name, 0.0) - slot.estimate / slot.tenant.weight
         usual = self.usual_cost.get(name)
@@ -105,11 +112,14 @@ class FairQueue:
         self.class_vtime[tenant.priority_class] = start
         self.vtime[tenant.name] = start + estimate / tenant.weight
         self.in_flight += 1
+        self.batch_in_flight += tenant.priority_class == "batch"
         return Slot(tenant, estimate)
 
     def _dispatch(self) -> None:
         while self.in_flight < self.max_in_flight:
-            heads = [queue[0] for queue in self.waiting.values() if queue]
+            batch_room = self.batch_in_flight < self.batch_slots
+            heads = [queue[0] for queue in self.waiting.values()
+                     if queue and (batch_room or queue[0].tenant.priority_class != "batch")]
             if not heads:
                 return
             rank = CLASSES.index

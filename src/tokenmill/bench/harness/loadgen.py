@@ -59,10 +59,14 @@ class RequestRecord:
 
 @dataclass(slots=True, frozen=True)
 class Target:
-    """Where and what to send."""
+    """Where and what to send (with `api_key`, as `Authorization: Bearer`)."""
     base_url: str
     model: str
     timeout_s: float
+    api_key: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def completion_body(self, spec: RequestSpec) -> dict[str, Any]:
         return {"model": self.model, "prompt": spec.prompt, "max_tokens": spec.output_len,
@@ -98,7 +102,8 @@ def _on_event(record: RequestRecord, event: dict[str, Any], since_send: float) -
 
 async def _stream(client: httpx.AsyncClient, target: Target, spec: RequestSpec, record: RequestRecord) -> None:
     sent = time.perf_counter()
-    async with client.stream("POST", f"{target.base_url}/v1/completions", json=target.completion_body(spec)) as resp:
+    async with client.stream("POST", f"{target.base_url}/v1/completions", json=target.completion_body(spec),
+                             headers=target.headers()) as resp:
         record.http_status = resp.status_code
         if resp.status_code != 200:
             record.status = _http_status_kind(resp.status_code)

@@ -1,0 +1,211 @@
+"""`tokenmill bench tenants`: an interactive tenant beside a batch tenant's flood, on a mock GPU fleet.
+
+Each run is a fresh `tokenmill serve --runner mock --mock-profile P --workers W --max-num-seqs S
+--tenants FILE --max-in-flight ceil(W*S/0.8) --batch-share 0.8`: batch requests may fill the workers and no
+more. The interactive tenant sends `--interactive-rate` requests a
+second (Poisson, seeded) for `--duration-s`; in the flood runs the batch tenant keeps `--flood`
+times the fleet's W*S slots of requests in flight meanwhile (closed loop), so the frontend's queue
+and the workers both stay full. Three modes, the two flood ones alternating over `--repeats`:
+
+- `unloaded`: the interactive tenant alone (its TTFT without the flood);
+- `one-class`: both tenants `standard` with equal weights (fair shares, no priorities);
+- `classes`: the interactive tenant `interactive`, the batch one `batch` (the queue lets the
+  interactive requests go first, and the engine admits, schedules and preempts by class).
+
+Printed and written (`--json`, schema "tokenmill.bench.tenants" v1): per mode, the interactive
+TTFT p50/p90 (ms) and its p90 over the unloaded one (the target: at most 1.5 with classes), the
+batch tenant's completed requests and output tok/s, and the fleet's output tok/s. The fleet
+simulator has no tenants yet, so there is no simulated column.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from tokenmill.bench.harness import loadgen
+from tokenmill.bench.harness.checkpoint import model_limits
+from tokenmill.bench.harness.serve_process import running_server
+from tokenmill.bench.harness.serve_stats import Distribution, distribution_ms
+from tokenmill.workloads.prompt_synth import RequestSpec
+
+log = logging.getLogger(__name__)
+
+SCHEMA_NAME, SCHEMA_VERSION = "tokenmill.bench.tenants", 1
+MODES = ("unloaded", "one-class", "classes")
+P90_TARGET = 1.5  # interactive TTFT p90 under the flood, over unloaded, with classes
+SERVED_NAME = "tenants"
+KEYS = {"assistant": "k-assistant", "sweeps": "k-sweeps"}
+BATCH_SHARE = 0.8
+
+
+@dataclass(slots=True)
+class ModeRun:
+    mode: str
+    repeat: int
+    interactive_ok: int
+    interactive_sent: int
+    interactive_ttft: Distribution | None
+    batch_ok: int
+    batch_output_tok_s: float
+    fleet_output_tok_s: float
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint dir for the tokenizer (default: tiny-llama in a "
+                                                      "temp dir; the mock runner reads no weights)")
+    parser.add_argument("--mock-profile", default="llama-3.1-8b@h100:fp8", help="the mock workers' GPU clock")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--flood", type=float, default=5.0, help="batch requests in flight, times the fleet's slots")
+    parser.add_argument("--interactive-rate", type=float, default=2.0, help="interactive requests a second")
+    parser.add_argument("--duration-s", type=float, default=30.0)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--interactive-output-tokens", type=int, default=32)
+    parser.add_argument("--batch-output-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=1, help="flood runs per mode, the modes alternating")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="deadline of each request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", dest="json_path", metavar="OUT", help="write results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    runs: list[ModeRun] = []
+    with tempfile.TemporaryDirectory(prefix="tokenmill-bench-tenants-") as tmp:
+        work = Path(tmp)
+        try:
+            _validate(args)
+            model = _model(args, work)
+            _, vocab = model_limits(str(model))
+        except ValueError as exc:
+            print(f"error: {exc}")
+            return 2
+        order = [("unloaded", 0)] + [(mode, r) for r in range(args.repeats)
+                                     for mode in (("one-class", "classes") if r % 2 == 0 else ("classes", "one-class"))]
+        for mode, repeat in order:
+            log.info("tenants bench: %s, repeat %d", mode, repeat)
+            runs.append(_run_mode(args, model, vocab, mode, repeat, work / f"{mode}-{repeat}"))
+    report = _report(args, runs)
+    _print(report)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("workers", "max_num_seqs", "flood", "interactive_rate", "duration_s", "prompt_tokens",
+                 "interactive_output_tokens", "batch_output_tokens", "repeats", "timeout_s"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+
+
+def _model(args: argparse.Namespace, work: Path) -> Path:
+    if args.model is not None:
+        return Path(args.model)
+    from tokenmill.bench.harness.checkpoint import fit_context
+    from tokenmill.engine.make_model import write_model
+
+    model = write_model("tiny-llama", work / "tiny-llama", seed=0)
+    fit_context(model, args.prompt_tokens + max(args.interactive_output_tokens, args.batch_output_tokens) + 16, True)
+    return model
+
+
+def _tenants_file(mode: str, path: Path) -> Path:
+    classes = {"assistant": "interactive", "sweeps": "batch"} if mode == "classes" else \
+        {"assistant": "standard", "sweeps": "standard"}
+    path.write_text("".join(f'[tenants.{name}]\nkeys = ["{KEYS[name]}"]\nclass = "{cls}"\n\n'
+                            for name, cls in classes.items()))
+    return path
+
+
+def _run_mode(args: argparse.Namespace, model: Path, vocab: int, mode: str, repeat: int, run_dir: Path) -> ModeRun:
+    run_dir.mkdir(parents=True)
+    slots = args.workers * args.max_num_seqs
+    # batch requests may fill the workers' slots and no more: the rest of the frontend's is the others'
+    frontend_slots = math.ceil(slots / BATCH_SHARE)
+    flags = ["--model", str(model), "--served-model-name", SERVED_NAME, "--runner", "mock",
+             "--mock-profile", args.mock_profile, "--max-num-seqs", str(args.max_num_seqs),
+             "--tenants", str(_tenants_file(mode, run_dir / "tenants.toml")),
+             "--max-in-flight", str(frontend_slots), "--batch-share", str(BATCH_SHARE),
+             "--queue-timeout-s", str(args.timeout_s), "--seed", str(args.seed)]
+    with running_server(flags, args.workers, run_dir / "run", run_dir / "serve.log") as server:
+        return asyncio.run(_drive(args, server.url, vocab, mode, repeat, slots))
+
+
+async def _drive(args: argparse.Namespace, url: str, vocab: int, mode: str, repeat: int, slots: int) -> ModeRun:
+    rng = random.Random(args.seed * 1000 + repeat)
+    interactive_specs, t = [], rng.expovariate(args.interactive_rate)
+    while t < args.duration_s:
+        interactive_specs.append(RequestSpec(_prompt(rng, vocab, args.prompt_tokens), args.interactive_output_tokens, t))
+        t += rng.expovariate(args.interactive_rate)
+    flood = 0 if mode == "unloaded" else max(1, round(args.flood * slots))
+    batch_specs = [RequestSpec(_prompt(rng, vocab, args.prompt_tokens), args.batch_output_tokens)
+                   for _ in range(flood * 50)]  # more than the run can serve: the flood never runs dry
+    interactive = loadgen.Target(url, SERVED_NAME, args.timeout_s, KEYS["assistant"])
+    batch = loadgen.Target(url, SERVED_NAME, args.timeout_s, KEYS["sweeps"])
+    i_records, b_records = loadgen.new_records(interactive_specs), loadgen.new_records(batch_specs)
+    async with loadgen.make_client(flood + len(interactive_specs) + 4) as client:
+        started = time.perf_counter()
+        flooding = asyncio.create_task(loadgen.run_closed_loop(client, batch, batch_specs, b_records, flood,
+                                                               lambda r: None)) if flood else None
+        await loadgen.run_open_loop(client, interactive, interactive_specs, i_records, lambda r: None)
+        elapsed = time.perf_counter() - started
+        if flooding is not None:
+            flooding.cancel()
+            await asyncio.gather(flooding, return_exceptions=True)
+    ok_i = [r for r in i_records if r.status == loadgen.OK]
+    ok_b = [r for r in b_records if r.status == loadgen.OK]
+    batch_tokens = sum(r.completion_tokens or 0 for r in ok_b)
+    all_tokens = batch_tokens + sum(r.completion_tokens or 0 for r in ok_i)
+    return ModeRun(mode, repeat, len(ok_i), len(i_records), distribution_ms([r.ttft_s for r in ok_i if r.ttft_s]),
+                   len(ok_b), batch_tokens / elapsed, all_tokens / elapsed)
+
+
+def _prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def _report(args: argparse.Namespace, runs: list[ModeRun]) -> dict[str, Any]:
+    unloaded = next(r for r in runs if r.mode == "unloaded")
+    base_p90 = unloaded.interactive_ttft.p90 if unloaded.interactive_ttft else None
+    rows = []
+    for run in runs:
+        p90 = run.interactive_ttft.p90 if run.interactive_ttft else None
+        rows.append({**asdict(run), "p90_over_unloaded": p90 / base_p90 if p90 and base_p90 else None})
+    with_classes = [r["p90_over_unloaded"] for r in rows if r["mode"] == "classes" and r["p90_over_unloaded"]]
+    worst = max(with_classes) if with_classes else None
+    config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json_path"}
+    return {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION, "config": config, "runs": rows,
+            "target": {"p90_over_unloaded_with_classes": P90_TARGET, "worst": worst,
+                       "met": worst is not None and worst <= P90_TARGET}}
+
+
+def _print(report: dict[str, Any]) -> None:
+    table = Table(title="an interactive tenant beside a batch flood (mock GPU fleet)")
+    for column in ("mode", "repeat", "interactive ok", "TTFT p50 ms", "TTFT p90 ms", "p90 / unloaded",
+                   "batch ok", "batch tok/s", "fleet tok/s"):
+        table.add_column(column, justify="right")
+    for r in report["runs"]:
+        ttft = r["interactive_ttft"] or {}
+        ratio = r["p90_over_unloaded"]
+        table.add_row(r["mode"], str(r["repeat"]), f"{r['interactive_ok']}/{r['interactive_sent']}",
+                      f"{ttft.get('p50', float('nan')):.0f}", f"{ttft.get('p90', float('nan')):.0f}",
+                      "-" if ratio is None else f"{ratio:.2f}", str(r["batch_ok"]),
+                      f"{r['batch_output_tok_s']:.0f}", f"{r['fleet_output_tok_s']:.0f}")
+    console = Console()
+    console.print(table)
+    target = report["target"]
+    console.print(f"with classes, interactive TTFT p90 / unloaded: worst {target['worst']} "
+                  f"(target <= {target['p90_over_unloaded_with_classes']}): {'met' if target['met'] else 'NOT met'}")
