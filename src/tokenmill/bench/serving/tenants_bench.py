@@ -65,7 +65,7 @@ class ModeRun:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint dir for the tokenizer (default: tiny-llama in a "
                                                       "temp dir; the mock runner reads no weights)")
-    parser.add_argument("--mock-profile", default="llama-3.1-8b@h100:fp8", help="the mock workers' GPU clock")
+    parser.add_argument("--mock-profile", default="llama-3.1-70b@h100:fp8:tp4", help="the mock workers' GPU clock")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--flood", type=float, default=5.0, help="batch requests in flight, times the fleet's slots")
