@@ -21,7 +21,8 @@ def test_generate_round_trips_and_revalidates_params() -> None:
 
 
 def test_tokens_frame_round_trips() -> None:
-    out = RequestOutput("r", [5, 6], "hi", True, "stop", 10, 2, 4, [TokenLogprob(5, -0.1, [(5, -0.1), (9, -2.0)])], "x")
+    out = RequestOutput("r", [5, 6], "hi", True, "stop", 10, 2, 4, [TokenLogprob(5, -0.1, [(5, -0.1), (9, -2.0)])], "x",
+                        step_seconds=0.125)
     assert p.output_from_wire(p.unpack(p.pack(p.tokens_message(out)))) == out
 
 

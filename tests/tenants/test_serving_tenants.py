@@ -37,7 +37,7 @@ def server(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     run_dir = tmp_path_factory.mktemp("tenants")
     (run_dir / "tenants.toml").write_text(TENANTS)
     served = start_server(tiny_dense, run_dir, "--runner", "mock", "--mock-step-time", "0.01,0,0,0",
-                          "--tenants", str(run_dir / "tenants.toml"))
+                          "--tenants", str(run_dir / "tenants.toml"), "--usd-per-worker-hour", "3.6")
     try:
         yield served
     finally:
@@ -96,6 +96,13 @@ def test_quotas_refuse_with_429_naming_them_and_counters_match_what_was_sent(ser
     assert rows["sweeps"]["quotas"] == {"max_concurrent": 1}
     assert rows["sweeps"]["refused"] == {"max_concurrent": 1} and rows["sweeps"]["output_tokens"] == 402
     assert rows["trickle"]["in_flight"] == 0 and rows["trickle"]["refused"] == {"requests_per_s": 1}
+    # cost: the worker's step time each tenant's tokens caused, at $3.60 a worker-hour ($0.001 a second);
+    # sweeps computed 402 tokens to the assistant's 18: more of the steps were its
+    for name, row in rows.items():
+        seconds = metric(url, "tokenmill_tenant_worker_seconds_total", tenant=name)
+        assert row["worker_seconds"] == pytest.approx(seconds) and row["usd"] == pytest.approx(seconds / 1000)
+        assert metric(url, "tokenmill_tenant_usd_total", tenant=name) == pytest.approx(seconds / 1000)
+    assert rows["sweeps"]["worker_seconds"] > rows["assistant"]["worker_seconds"] > 0
 
 
 def test_serve_refuses_a_bad_tenants_file_naming_the_field(tiny_dense: Path, tmp_path: Path) -> None:

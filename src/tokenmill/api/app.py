@@ -55,7 +55,7 @@ def create_app(backend: Backend, served_model_name: str, *, usd_per_worker_hour:
     `tenants` name each `/v1` caller by its key, with its quotas, and `queue` holds the streams past
     the fleet's slots (`tenancy.py`)."""
     metrics = FrontendMetrics(backend.metrics_snapshot, usd_per_worker_hour)
-    tenancy = None if tenants is None else Tenancy(tenants, metrics.registry)
+    tenancy = None if tenants is None else Tenancy(tenants, metrics.registry, usd_per_worker_hour or 0.0)
     ctx = ServingContext(backend, metrics, served_model_name, request_timeout_s, max_body_bytes, int(time.time()),
                          tool_call_parser, tenancy=tenancy, queue=queue)
 

@@ -81,7 +81,7 @@ class TokenStream:
         try:
             while True:
                 self.last = out
-                self.timer.on_tokens(len(out.new_token_ids))
+                self.timer.on_tokens(len(out.new_token_ids), out.step_seconds)
                 yield out
                 if out.finished:
                     status = outcome(out.finish_reason)

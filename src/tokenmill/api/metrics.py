@@ -225,8 +225,10 @@ class RequestTimer:
     scope: RequestScope | None = None
     last_token_at: float | None = None
     ttft_s: float | None = None
+    step_seconds: float = 0.0  # the engine's step time its tokens caused, as its outputs reported it
 
-    def on_tokens(self, count: int) -> None:
+    def on_tokens(self, count: int, step_seconds: float = 0.0) -> None:
+        self.step_seconds += step_seconds
         if count <= 0:
             return
         now = time.monotonic()
@@ -254,4 +256,4 @@ class RequestTimer:
         m.output_tokens.inc(output_tokens)
         m.cached_tokens.inc(cached_tokens)
         if self.scope is not None:
-            self.scope.finished(status, prompt_tokens, output_tokens, cached_tokens)
+            self.scope.finished(status, prompt_tokens, output_tokens, cached_tokens, self.step_seconds)

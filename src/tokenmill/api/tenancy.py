@@ -46,10 +46,11 @@ class RequestScope:
     account: TenantAccount | None  # its tenant's, with --tenants
     slot: FleetSlot | None  # the fleet's slot it holds, with --max-in-flight
 
-    def finished(self, status: str, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None:
-        """One of its streams ended."""
+    def finished(self, status: str, prompt_tokens: int, output_tokens: int, cached_tokens: int,
+                 step_seconds: float = 0.0) -> None:
+        """One of its streams ended, having caused `step_seconds` of the engine's steps."""
         if self.account is not None:
-            self.account.finished(status, prompt_tokens, output_tokens, cached_tokens)
+            self.account.finished(status, prompt_tokens, output_tokens, cached_tokens, step_seconds)
         if self.slot is not None:
             self.slot.charge(prompt_tokens + output_tokens)
 

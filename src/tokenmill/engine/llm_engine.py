@@ -282,8 +282,7 @@ class LLMEngine:
             sampled = self.runner.execute(outs[0], self.kv)
         else:  # attention data parallel: every rank steps together, idle ones included
             sampled = self.runner.execute_ranks(outs, self.kvs)  # type: ignore[attr-defined]
-        self.counters.record_step(sum(out.num_prefill_tokens for out in outs),
-                                  sum(out.num_decode_seqs for out in outs), time.perf_counter() - t0)
+        self.counters.record_step(outs, time.perf_counter() - t0)
         results = []
         for scheduler, out in zip(self.schedulers, outs):
             results += self._process(scheduler, out, sampled)
@@ -336,7 +335,7 @@ class LLMEngine:
         return RequestOutput(
             request.request_id, tokens, text, request.is_finished, request.finish_reason,
             request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
-            logprobs, request.stop_reason, pending,
+            logprobs, request.stop_reason, pending, step_seconds=request.take_step_seconds(),
         )
 
     def _check_stop(self, request: Request, token: int) -> tuple[tuple[str, int | None] | None, str]:
@@ -363,7 +362,7 @@ class LLMEngine:
         return RequestOutput(
             request.request_id, [token], text, True, FINISH_HANDOFF, request.num_prompt_tokens,
             len(request.output_token_ids), request.num_cached_tokens,
-            [logprob] if logprob is not None else [], None, pending, blocks,
+            [logprob] if logprob is not None else [], None, pending, blocks, request.take_step_seconds(),
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -43,6 +43,7 @@ class Request:
     draft_limit: int | None = None  # drafts to propose next (speculative.Drafter); None: the configured K
     draft_misses: int = 0  # verify steps in a row that accepted none of its draft model's drafts
     draft_pause: int = 0  # steps left before it drafts again (speculative.pause_after)
+    step_seconds: float = 0.0  # its share of the steps it was in, not yet reported (`take_step_seconds`)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -79,3 +80,8 @@ class Request:
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.logprobs.append(logprob)
+
+    def take_step_seconds(self) -> float:
+        """Its share of the steps since the last call (what its next output reports)."""
+        seconds, self.step_seconds = self.step_seconds, 0.0
+        return seconds

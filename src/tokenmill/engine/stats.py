@@ -2,12 +2,13 @@
 both fill, read by the worker (its load report and heartbeats) and the embedded backend (metrics)."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenmill.engine.request import Request
+    from tokenmill.engine.scheduler import SchedulerOutput
 
 
 def request_blocks(requests: Iterable[Request], block_size: int) -> dict[str, tuple[int, int]]:
@@ -31,7 +32,14 @@ class StepCounters:
     prefill_seconds: float = 0.0  # steps that computed any prefill tokens
     decode_seconds: float = 0.0  # steps that only decoded
 
-    def record_step(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
+    def record_step(self, outs: Sequence[SchedulerOutput], seconds: float) -> None:
+        """A step's totals; and its time shared out over its sequences by the tokens each computed
+        (`Request.step_seconds`: the time each request's tokens caused, which a tenant is charged)."""
+        tokens = sum(seq.num_tokens for out in outs for seq in out.seqs)
+        for seq in (seq for out in outs for seq in out.seqs):
+            seq.request.step_seconds += seconds * seq.num_tokens / tokens
+        prefill_tokens = sum(out.num_prefill_tokens for out in outs)
+        decode_seqs = sum(out.num_decode_seqs for out in outs)
         self.steps += 1
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += decode_seqs

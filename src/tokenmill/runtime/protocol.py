@@ -98,7 +98,7 @@ def tokens_message(out: RequestOutput, kv_handle: dict[str, Any] | None = None) 
             "text": out.new_text, "finished": out.finished, "finish_reason": out.finish_reason,
             "num_prompt_tokens": out.num_prompt_tokens, "num_output_tokens": out.num_output_tokens,
             "num_cached_tokens": out.num_cached_tokens, "stop_reason": out.stop_reason,
-            "text_pending": out.text_pending_tokens,
+            "text_pending": out.text_pending_tokens, "step_s": out.step_seconds,
             "logprobs": [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.new_logprobs]}
 
 
@@ -112,6 +112,7 @@ def output_from_wire(msg: dict[str, Any]) -> RequestOutput:
             new_logprobs=[TokenLogprob(t, lp, [(int(i), float(v)) for i, v in top])
                           for t, lp, top in msg.get("logprobs") or []],
             stop_reason=msg.get("stop_reason"), text_pending_tokens=int(msg.get("text_pending") or 0),
+            step_seconds=float(msg.get("step_s") or 0.0),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"malformed tokens frame: {exc}") from exc

@@ -28,3 +28,6 @@ class RequestOutput:
     stop_reason: str | int | None = None
     text_pending_tokens: int = 0  # trailing tokens whose text is held back (an incomplete character)
     held_block_ids: list[int] = field(default_factory=list)  # FINISH_HANDOFF: the prompt's KV blocks
+    # the request's share of the engine's step time since its last output (its tokens' share of
+    # each step it was in); 0 where the engine does not measure it (a vLLM worker)
+    step_seconds: float = 0.0
