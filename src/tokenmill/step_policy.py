@@ -6,12 +6,14 @@ tokens, who is admitted and who is preempted. The engine's `Scheduler` and the f
     for seq, start, num_tokens in step.chunks: ...compute positions [start, start + num_tokens)...
     step.preempted                           # lost their blocks, now at the front of `waiting`
 
-Every sequence has a priority (`book.priority`, lower is more urgent: a tenant's class); with
-one priority for all, the rules below are first come, first served. In order (`waiting` is a
-FIFO; `running` is in admission order):
-0. While the most urgent waiting sequence is more urgent than a running one and `max_num_seqs`
+Every sequence has a priority (`book.priority`, lower is more urgent: a tenant's class). The
+caller says whether any of its sequences has one other than 0 (`mixed`): if none has, the rules
+below are first come, first served, and the policy never reads a priority nor scans `waiting`
+(a simulated queue may hold tens of thousands). In order (`waiting` is a FIFO; `running` is in
+admission order):
+0. When the most urgent waiting sequence is more urgent than a running one and `max_num_seqs`
    run, the least urgent running sequence (the latest admitted among those) is preempted to
-   make room for it.
+   make room for it: one a step, for the one slot it needs.
 1. Running sequences with one uncomputed token (decodes) first, then those with more (prefills),
    each group by priority, then in `running` order; each computes min(its uncomputed tokens, the
    step's budget left), so a long prompt is cut into chunks and never stalls decodes for more
@@ -36,6 +38,7 @@ simulator's `complete`).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -93,46 +96,43 @@ class StepBook(Protocol[S]):
         """Free its blocks and reset it to recompute from the start."""
 
 
-def plan_step(book: StepBook[S], waiting: deque[S], running: list[S], limits: StepLimits) -> PlannedStep[S]:
+def plan_step(book: StepBook[S], waiting: deque[S], running: list[S], limits: StepLimits,
+              mixed: bool = False) -> PlannedStep[S]:
     step: PlannedStep[S] = PlannedStep()
-    _make_room(book, waiting, running, limits, step)
+    urgency = book.priority if mixed else _first_come
+    most_urgent_waiting = min(map(urgency, waiting), default=None) if mixed else None
+    if most_urgent_waiting is not None:
+        _make_room(book, most_urgent_waiting, waiting, running, limits, step)
     making_room = len(step.preempted)
     budget = limits.max_num_batched_tokens
-    decodes = sorted((s for s in running if book.known(s) - book.computed(s) == 1), key=book.priority)
-    prefills = sorted((s for s in running if book.known(s) - book.computed(s) > 1), key=book.priority)
-    most_urgent_waiting = min(map(book.priority, waiting), default=None)
-    before = [s for s in prefills if most_urgent_waiting is None or book.priority(s) <= most_urgent_waiting]
+    decodes = sorted((s for s in running if book.known(s) - book.computed(s) == 1), key=urgency)
+    prefills = sorted((s for s in running if book.known(s) - book.computed(s) > 1), key=urgency)
+    before = [s for s in prefills if most_urgent_waiting is None or urgency(s) <= most_urgent_waiting]
     for seq in decodes + before:
-        budget = _schedule(book, seq, budget, waiting, running, step)
+        budget = _schedule(book, urgency, seq, budget, waiting, running, step)
     if len(step.preempted) == making_room:
-        budget = _admit_waiting(book, budget, waiting, running, limits, step)
+        budget = _admit_waiting(book, urgency, budget, waiting, running, limits, step)
     for seq in prefills[len(before):]:
-        budget = _schedule(book, seq, budget, waiting, running, step)
+        budget = _schedule(book, urgency, seq, budget, waiting, running, step)
     return step
 
 
-def _schedule(book: StepBook[S], seq: S, budget: int, waiting: deque[S], running: list[S],
-              step: PlannedStep[S]) -> int:
-    """A running sequence's chunk, if budget is left and it was not preempted earlier in the
-    step: the budget left after it."""
-    if budget == 0 or not book.is_running(seq):
-        return budget
-    return budget - _schedule_running(book, seq, budget, waiting, running, step)
+def _first_come(seq: object) -> int:
+    return 0
 
 
-def _make_room(book: StepBook[S], waiting: deque[S], running: list[S], limits: StepLimits,
-               step: PlannedStep[S]) -> None:
-    """Rule 0: the least urgent running sequences give their places to more urgent waiting ones."""
-    while waiting and running and len(running) >= limits.max_num_seqs:
-        victim = _least_urgent(book, running)
-        if book.priority(victim) <= min(book.priority(s) for s in waiting):
-            return
-        _preempt(book, victim, waiting, running, step)
+def _make_room(book: StepBook[S], most_urgent_waiting: int, waiting: deque[S], running: list[S],
+               limits: StepLimits, step: PlannedStep[S]) -> None:
+    """Rule 0: the least urgent running sequence gives its place to a more urgent waiting one."""
+    if running and len(running) >= limits.max_num_seqs:
+        victim = _least_urgent(book.priority, running)
+        if book.priority(victim) > most_urgent_waiting:
+            _preempt(book, victim, waiting, running, step)
 
 
-def _least_urgent(book: StepBook[S], candidates: list[S]) -> S:
+def _least_urgent(urgency: Callable[[S], int], candidates: list[S]) -> S:
     """The least urgent of `candidates` (in admission order), the latest admitted among equals."""
-    return max(enumerate(candidates), key=lambda pair: (book.priority(pair[1]), pair[0]))[1]
+    return max(enumerate(candidates), key=lambda pair: (urgency(pair[1]), pair[0]))[1]
 
 
 def _preempt(book: StepBook[S], victim: S, waiting: deque[S], running: list[S], step: PlannedStep[S]) -> None:
@@ -142,8 +142,17 @@ def _preempt(book: StepBook[S], victim: S, waiting: deque[S], running: list[S], 
     step.preempted.append(victim)
 
 
-def _schedule_running(book: StepBook[S], seq: S, budget: int, waiting: deque[S], running: list[S],
-                      step: PlannedStep[S]) -> int:
+def _schedule(book: StepBook[S], urgency: Callable[[S], int], seq: S, budget: int, waiting: deque[S],
+              running: list[S], step: PlannedStep[S]) -> int:
+    """A running sequence's chunk, if budget is left and it was not preempted earlier in the
+    step: the budget left after it."""
+    if budget == 0 or not book.is_running(seq):
+        return budget
+    return budget - _schedule_running(book, urgency, seq, budget, waiting, running, step)
+
+
+def _schedule_running(book: StepBook[S], urgency: Callable[[S], int], seq: S, budget: int, waiting: deque[S],
+                      running: list[S], step: PlannedStep[S]) -> int:
     n = min(book.known(seq) - book.computed(seq), budget)
     drafts = min(book.drafts(seq), budget - 1) if n == 1 else 0
     if drafts and book.grow(seq, book.computed(seq) + 1 + drafts):
@@ -152,7 +161,7 @@ def _schedule_running(book: StepBook[S], seq: S, budget: int, waiting: deque[S],
     while not book.grow(seq, book.computed(seq) + n):
         scheduled = {id(chunk[0]) for chunk in step.chunks}  # only here: per sequence it made steps O(batch²)
         victims = [s for s in running if id(s) not in scheduled and s is not seq]
-        victim = _least_urgent(book, victims) if victims else seq
+        victim = _least_urgent(urgency, victims) if victims else seq
         _preempt(book, victim, waiting, running, step)
         if victim is seq:
             return 0
@@ -160,17 +169,20 @@ def _schedule_running(book: StepBook[S], seq: S, budget: int, waiting: deque[S],
     return n
 
 
-def _admit_waiting(book: StepBook[S], budget: int, waiting: deque[S], running: list[S], limits: StepLimits,
-                   step: PlannedStep[S]) -> int:
+def _admit_waiting(book: StepBook[S], urgency: Callable[[S], int], budget: int, waiting: deque[S],
+                   running: list[S], limits: StepLimits, step: PlannedStep[S]) -> int:
     """Rule 3: the budget left after admission."""
     while waiting and budget > 0 and len(running) < limits.max_num_seqs:
-        seq = min(waiting, key=book.priority)  # the first of the most urgent
+        seq = waiting[0] if urgency is _first_come else min(waiting, key=urgency)  # the first of the most urgent
         cached, hits = book.cached_prefix(seq)
         n = min(book.known(seq) - cached, budget)
         start = book.admit(seq, hits, cached + n)
         if start is None:
             break
-        waiting.remove(seq)
+        if seq is waiting[0]:
+            waiting.popleft()
+        else:
+            waiting.remove(seq)
         running.append(seq)
         step.chunks.append((seq, start, n))
         budget -= n

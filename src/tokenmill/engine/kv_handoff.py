@@ -100,6 +100,8 @@ class KVHandoff:
             self.kv.cache_computed(request_id, request.token_ids, entry.num_tokens)
             request.status = RequestStatus.RUNNING
             self.scheduler.running.append(request)
+            if request.params.priority:
+                self.scheduler.prioritized.add(request_id)
         else:
             self.kv.free(request_id)
             request.num_computed_tokens = 0

@@ -122,9 +122,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._book = _RequestBook(kv)
+        self.prioritized: set[str] = set()  # its requests with a priority other than 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        if request.params.priority:
+            self.prioritized.add(request.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -136,6 +139,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status, request.finish_reason = RequestStatus.FINISHED, reason
+        self.prioritized.discard(request.request_id)
         if free_kv:
             self.kv.free(request.request_id)
 
@@ -143,7 +147,7 @@ class Scheduler:
         self.finish(request, FINISH_ABORT)
 
     def schedule(self) -> SchedulerOutput:
-        step = plan_step(self._book, self.waiting, self.running, self.config)
+        step = plan_step(self._book, self.waiting, self.running, self.config, mixed=bool(self.prioritized))
         return SchedulerOutput([ScheduledSeq(request, start, n) for request, start, n in step.chunks],
                                [request.request_id for request in step.preempted])
 

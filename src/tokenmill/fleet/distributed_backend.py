@@ -257,6 +257,7 @@ def _merge_ready(out: RequestOutput, inbox: StreamInbox) -> RequestOutput:
         out.new_logprobs += more.new_logprobs
         out.finished, out.finish_reason, out.stop_reason = more.finished, more.finish_reason, more.stop_reason
         out.num_output_tokens, out.text_pending_tokens = more.num_output_tokens, more.text_pending_tokens
+        out.step_seconds += more.step_seconds
     return out
 
 

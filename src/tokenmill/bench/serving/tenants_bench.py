@@ -13,8 +13,9 @@ and the workers both stay full. Three modes, the two flood ones alternating over
   interactive requests go first, and the engine admits, schedules and preempts by class).
 
 Printed and written (`--json`, schema "tokenmill.bench.tenants" v1): per mode, the interactive
-TTFT p50/p90 (ms) and its p90 over the unloaded one (the target: at most 1.5 with classes), the
-batch tenant's completed requests and output tok/s, and the fleet's output tok/s. The fleet
+TTFT p50/p90 (ms) and its p90 over the unloaded one (the target: at most 1.5 with classes, every
+interactive request answered), the batch tenant's completed requests and the output tok/s it and
+the whole fleet streamed. The fleet
 simulator has no tenants yet, so there is no simulated column.
 """
 from __future__ import annotations
@@ -167,8 +168,9 @@ async def _drive(args: argparse.Namespace, url: str, vocab: int, mode: str, repe
             await asyncio.gather(flooding, return_exceptions=True)
     ok_i = [r for r in i_records if r.status == loadgen.OK]
     ok_b = [r for r in b_records if r.status == loadgen.OK]
-    batch_tokens = sum(r.completion_tokens or 0 for r in ok_b)
-    all_tokens = batch_tokens + sum(r.completion_tokens or 0 for r in ok_i)
+    # tokens streamed within the run, the flood's unfinished requests' included (one per event)
+    batch_tokens = sum(len(r.token_times_s) for r in b_records)
+    all_tokens = batch_tokens + sum(len(r.token_times_s) for r in i_records)
     return ModeRun(mode, repeat, len(ok_i), len(i_records), distribution_ms([r.ttft_s for r in ok_i if r.ttft_s]),
                    len(ok_b), batch_tokens / elapsed, all_tokens / elapsed)
 
@@ -184,12 +186,14 @@ def _report(args: argparse.Namespace, runs: list[ModeRun]) -> dict[str, Any]:
     for run in runs:
         p90 = run.interactive_ttft.p90 if run.interactive_ttft else None
         rows.append({**asdict(run), "p90_over_unloaded": p90 / base_p90 if p90 and base_p90 else None})
-    with_classes = [r["p90_over_unloaded"] for r in rows if r["mode"] == "classes" and r["p90_over_unloaded"]]
-    worst = max(with_classes) if with_classes else None
+    classes = [r for r in rows if r["mode"] == "classes"]
+    with_classes = [r["p90_over_unloaded"] for r in classes if r["p90_over_unloaded"]]
+    worst = max(with_classes) if with_classes and len(with_classes) == len(classes) else None
+    every_one = all(r["interactive_ok"] == r["interactive_sent"] for r in classes)
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json_path"}
     return {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION, "config": config, "runs": rows,
             "target": {"p90_over_unloaded_with_classes": P90_TARGET, "worst": worst,
-                       "met": worst is not None and worst <= P90_TARGET}}
+                       "met": worst is not None and worst <= P90_TARGET and every_one}}
 
 
 def _print(report: dict[str, Any]) -> None:

@@ -146,9 +146,12 @@ class SimWorker:
         self.running: list[SimSeq] = []
         self.held: dict[str, SimSeq] = {}
         self.importing: dict[str, SimSeq] = {}
+        self.prioritized: set[str] = set()  # its sequences with a priority other than 0 (step_policy)
 
     def add(self, seq: SimSeq) -> None:
         self.waiting.append(seq)
+        if seq.priority:
+            self.prioritized.add(seq.request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -156,7 +159,7 @@ class SimWorker:
     # ---- scheduling: the engine's policy (`tokenmill.step_policy`) ------------------------------
 
     def schedule(self) -> Batch:
-        step = plan_step(self._book, self.waiting, self.running, self.config)
+        step = plan_step(self._book, self.waiting, self.running, self.config, mixed=bool(self.prioritized))
         return Batch([Chunk(seq, start, n) for seq, start, n in step.chunks], len(step.preempted))
 
     # ---- the end of a step ------------------------------------------------------------------
@@ -203,6 +206,7 @@ class SimWorker:
 
     def _finish(self, seq: SimSeq) -> None:
         self.running.remove(seq)
+        self.prioritized.discard(seq.request_id)
         seq.running, seq.finished = False, True
         if seq.prefill_only:
             self.held[seq.request_id] = seq  # its KV waits for the decode worker's pull
@@ -234,3 +238,5 @@ class SimWorker:
         self.kv.cache_computed(seq.kv, seq.computed)
         seq.running = True
         self.running.append(seq)
+        if seq.priority:
+            self.prioritized.add(seq.request_id)
