@@ -16,7 +16,9 @@ from tests.serving.conftest import Server, start_server, stop_server
 from tests.serving.probes import metric
 from tokenmill.api.launch import add_frontend_flags, tenants_from
 
-TENANTS = """
+# an interactive and a batch tenant; the first module server caps the batch one at one request
+# in flight and adds a tenant allowed one request in a thousand seconds
+QUEUED = """
 [tenants.assistant]
 keys = ["k-assistant"]
 class = "interactive"
@@ -24,7 +26,8 @@ class = "interactive"
 [tenants.sweeps]
 keys = ["k-sweeps"]
 class = "batch"
-max_concurrent = 1
+"""
+TENANTS = QUEUED + """max_concurrent = 1
 
 [tenants.trickle]
 keys = ["k-trickle"]
@@ -32,16 +35,20 @@ requests_per_s = 0.001
 """
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    run_dir = tmp_path_factory.mktemp("tenants")
-    (run_dir / "tenants.toml").write_text(TENANTS)
-    served = start_server(tiny_dense, run_dir, "--runner", "mock", "--mock-step-time", "0.01,0,0,0",
-                          "--tenants", str(run_dir / "tenants.toml"), "--usd-per-worker-hour", "3.6")
+def _serving(model: Path, run_dir: Path, tenants: str, *flags: str) -> Iterator[Server]:
+    """A mock worker (10 ms a step) behind a frontend with these tenants, stopped after."""
+    (run_dir / "tenants.toml").write_text(tenants)
+    served = start_server(model, run_dir, "--runner", "mock", "--mock-step-time", "0.01,0,0,0",
+                          "--tenants", str(run_dir / "tenants.toml"), *flags)
     try:
         yield served
     finally:
         stop_server(served)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _serving(tiny_dense, tmp_path_factory.mktemp("tenants"), TENANTS, "--usd-per-worker-hour", "3.6")
 
 
 def _complete(server: Server, key: str | None, prompt: list[int], max_tokens: int) -> httpx.Response:
@@ -123,27 +130,9 @@ def test_a_global_api_key_beside_tenants_is_refused_naming_it(tmp_path: Path) ->
     assert tenants_from(parser.parse_args(["--tenants", str(tmp_path / "t.toml")])).tenants[0].name == "a"
 
 
-QUEUED = """
-[tenants.assistant]
-keys = ["k-assistant"]
-class = "interactive"
-
-[tenants.sweeps]
-keys = ["k-sweeps"]
-class = "batch"
-"""
-
-
 @pytest.fixture(scope="module")
 def queued_server(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    run_dir = tmp_path_factory.mktemp("queued")
-    (run_dir / "tenants.toml").write_text(QUEUED)
-    served = start_server(tiny_dense, run_dir, "--runner", "mock", "--mock-step-time", "0.01,0,0,0",
-                          "--tenants", str(run_dir / "tenants.toml"), "--max-in-flight", "1")
-    try:
-        yield served
-    finally:
-        stop_server(served)
+    yield from _serving(tiny_dense, tmp_path_factory.mktemp("queued"), QUEUED, "--max-in-flight", "1")
 
 
 def test_a_saturated_fleet_lets_a_waiting_interactive_request_in_before_waiting_batch_ones(
