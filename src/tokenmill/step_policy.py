@@ -105,9 +105,13 @@ def plan_step(book: StepBook[S], waiting: deque[S], running: list[S], limits: St
         _make_room(book, most_urgent_waiting, waiting, running, limits, step)
     making_room = len(step.preempted)
     budget = limits.max_num_batched_tokens
-    decodes = sorted((s for s in running if book.known(s) - book.computed(s) == 1), key=urgency)
-    prefills = sorted((s for s in running if book.known(s) - book.computed(s) > 1), key=urgency)
-    before = [s for s in prefills if most_urgent_waiting is None or urgency(s) <= most_urgent_waiting]
+    decodes = [s for s in running if book.known(s) - book.computed(s) == 1]
+    prefills = [s for s in running if book.known(s) - book.computed(s) > 1]
+    before = prefills
+    if mixed:
+        decodes.sort(key=urgency)
+        prefills.sort(key=urgency)
+        before = [s for s in prefills if most_urgent_waiting is None or urgency(s) <= most_urgent_waiting]
     for seq in decodes + before:
         budget = _schedule(book, urgency, seq, budget, waiting, running, step)
     if len(step.preempted) == making_room:

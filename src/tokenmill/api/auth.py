@@ -47,10 +47,19 @@ class ApiKeys:
         key = self.required_for(path)
         if key is None:
             return
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-            raise APIError(401, "invalid or missing API key: send it as 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        given = bearer_key(authorization)
+        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+            raise invalid_key("invalid or missing API key: send it as 'Authorization: Bearer <key>'")
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an `Authorization: Bearer <key>` header; None for another scheme or none."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return given.strip() if scheme.lower() == "bearer" else None
+
+
+def invalid_key(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def _loopback(host: str | None) -> bool:

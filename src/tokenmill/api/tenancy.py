@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from tokenmill.api.auth import bearer_key, invalid_key
 from tokenmill.api.errors import SERVER_ERROR, APIError
 from tokenmill.tenants.config import Tenant
 from tokenmill.tenants.fair_queue import FairQueue, QueueTimeout, Slot
@@ -72,11 +73,10 @@ class FleetQueue:
 
 
 def authenticate(tenancy: Tenancy, authorization: str | None) -> TenantAccount:
-    scheme, _, key = (authorization or "").partition(" ")
-    account = tenancy.account_for(key.strip()) if scheme.lower() == "bearer" else None
+    key = bearer_key(authorization)
+    account = None if key is None else tenancy.account_for(key)
     if account is None:
-        raise APIError(401, "invalid or missing API key: send a tenant's key as 'Authorization: Bearer <key>'",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise invalid_key("invalid or missing API key: send a tenant's key as 'Authorization: Bearer <key>'")
     return account
 
 

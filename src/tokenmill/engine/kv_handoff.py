@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.kv.cache_manager import KVCacheManager
 
@@ -98,10 +98,7 @@ class KVHandoff:
         if ok:
             request.num_computed_tokens = entry.num_tokens
             self.kv.cache_computed(request_id, request.token_ids, entry.num_tokens)
-            request.status = RequestStatus.RUNNING
-            self.scheduler.running.append(request)
-            if request.params.priority:
-                self.scheduler.prioritized.add(request_id)
+            self.scheduler.run_imported(request)
         else:
             self.kv.free(request_id)
             request.num_computed_tokens = 0

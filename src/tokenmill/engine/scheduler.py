@@ -126,7 +126,16 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-        if request.params.priority:
+        self._note_priority(request)
+
+    def run_imported(self, request: Request) -> None:
+        """A request whose KV was imported from another worker, decoding from the next step."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._note_priority(request)
+
+    def _note_priority(self, request: Request) -> None:
+        if request.params.priority:  # the step policy reads priorities only while one is set
             self.prioritized.add(request.request_id)
 
     def has_unfinished(self) -> bool:

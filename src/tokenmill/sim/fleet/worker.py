@@ -150,7 +150,10 @@ class SimWorker:
 
     def add(self, seq: SimSeq) -> None:
         self.waiting.append(seq)
-        if seq.priority:
+        self._note_priority(seq)
+
+    def _note_priority(self, seq: SimSeq) -> None:
+        if seq.priority:  # the step policy reads priorities only while one is set
             self.prioritized.add(seq.request_id)
 
     def has_work(self) -> bool:
@@ -238,5 +241,4 @@ class SimWorker:
         self.kv.cache_computed(seq.kv, seq.computed)
         seq.running = True
         self.running.append(seq)
-        if seq.priority:
-            self.prioritized.add(seq.request_id)
+        self._note_priority(seq)
