@@ -76,7 +76,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
     host memory and then moved to `device` (packed for the native kernels on the CPU only)."""
     local = cfg if shard is None else shard.local_config(cfg)
     with torch.device("meta"):
-        model = CausalLM(local, max_positions, None if shard is None else shard.experts)
+        model = CausalLM(local, None if shard is None else shard.experts)
     model = model.to_empty(device="cpu").to(dtype)
     model.rotary = RotaryEmbedding(cfg, max_positions)
     params = dict(model.named_parameters())

@@ -86,15 +86,19 @@ class CausalLM(nn.Module):
     """Parameter names mirror HF's (`model.layers.N...`, `lm_head`) except the fused
     `qkv_proj`, `gate_up_proj` and stacked expert weights, which the loader builds."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, local_experts: tuple[int, int] | None = None) -> None:
-        """`local_experts`: on an expert-parallel rank, the range of experts it holds."""
+    def __init__(self, cfg: ModelConfig, local_experts: tuple[int, int] | None = None) -> None:
+        """`local_experts`: on an expert-parallel rank, the range of experts it holds. The rotary
+        tables are computed, not loaded: the loader sets `rotary` once the skeleton holds real memory."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # given its weight, the embedding skips its random init: on the meta device that init pulls in
+        # torch._dynamo (seconds of a worker's start) and the checkpoint overwrites it anyway
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, local_experts) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = NativeLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg, max_positions)
+        self.rotary: RotaryEmbedding | None = None
 
     @torch.inference_mode()
     def forward(
