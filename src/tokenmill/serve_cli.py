@@ -143,6 +143,7 @@ async def _serve(args: argparse.Namespace, run_dir: Path, sockets: Path, engine_
     roles = ("prefill", "decode") if args.prefill else ("agg",)
     backend.worker_control = control = WorkerControl(supervisor, backend.pool, worker_spec, roles, _workers(args),
                                                      args.worker_start_timeout_s)
+    control.may_be_empty = backend.empty_pool is not None
     watchers = [asyncio.create_task(supervisor.watch()), asyncio.create_task(control.run())]
     control_socket = (await serve_control_socket(sockets / CONTROL_SOCKET, partial(answer_workers, control))
                       if args.api_servers > 1 else None)

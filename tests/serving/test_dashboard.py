@@ -218,6 +218,7 @@ def test_the_page_in_a_real_browser_follows_the_toggles(server: Server, tmp_path
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.goto(server.url + "/dashboard")
             page.fill("#key", KEY)
+            assert not page.is_visible("#tenants-box")  # no --tenants: no table, and no request for one
             page.dispatch_event("#key", "change")
             page.eval_on_selector("#rate-trial", "el => { el.value = '3'; }")
             page.click("#scenario-trial")

@@ -112,6 +112,44 @@ def test_quotas_refuse_with_429_naming_them_and_counters_match_what_was_sent(ser
     assert rows["sweeps"]["worker_seconds"] > rows["assistant"]["worker_seconds"] > 0
 
 
+def test_the_dashboard_shows_each_tenants_use_as_admin_tenants_says(server: Server) -> None:
+    """Debian's chromium driven by Playwright: the tenants table has a row per tenant whose figures
+    are the ones `/admin/tenants` gives (after the requests of the test above, if it ran), and no
+    console errors."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    assert _complete(server, "k-assistant", [7, 8, 9], 3).status_code == 200  # some use to show
+    rows = {row["name"]: row for row in
+            httpx.get(server.url + "/admin/tenants", timeout=10, trust_env=False).json()["data"]}
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is not installed: scripts/system-packages.sh installs it"
+    errors: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(server.url + "/dashboard")
+            page.wait_for_selector("#tenants tr[data-tenant='trickle']", timeout=60_000)
+            cells = page.evaluate("() => Object.fromEntries([...document.querySelectorAll('#tenants tr')].map("
+                                  "tr => [tr.dataset.tenant, [...tr.children].map(td => td.textContent)]))")
+            visible = page.is_visible("#tenants-box")
+        finally:
+            browser.close()
+    assert not errors, errors
+    assert visible and sorted(cells) == sorted(rows)
+    for name, row in rows.items():
+        name_cell, klass, _, _, _, requests, refused, input_tokens, cached, output, _, usd = cells[name]
+        assert (name_cell, klass) == (name, row["class"])
+        assert int(requests) == sum(row["requests"].values()) and int(refused) == sum(row["refused"].values())
+        assert [int(input_tokens), int(cached), int(output)] == [row["input_tokens"], row["cached_tokens"],
+                                                               row["output_tokens"]]
+        assert usd == f"${row['usd']:.4f}"
+
+
 def test_serve_refuses_a_bad_tenants_file_naming_the_field(tiny_dense: Path, tmp_path: Path) -> None:
     path = tmp_path / "tenants.toml"
     path.write_text('[tenants.a]\nkeys = ["k"]\nclass = "gold"\n')

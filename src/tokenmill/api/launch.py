@@ -54,7 +54,12 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> None:
                         help="with --max-in-flight: the share of its slots batch-class requests may hold, the rest "
                              "kept for the other classes' arrivals")
     parser.add_argument("--queue-timeout-s", type=float, default=60.0,
-                        help="with --max-in-flight: how long a request may wait for a slot before a 503")
+                        help="with --max-in-flight: how long a request may wait for a slot before a 503; with "
+                             "--scale-to-zero: for a worker to start")
+    parser.add_argument("--scale-to-zero", action="store_true",
+                        help="the pool may have no worker (a planner scaled it to zero): a request that finds "
+                             "none waits for one to start (up to --queue-timeout-s) and /health stays 200 "
+                             "(implied by serve --planner with --min-agg 0, or --min-decode 0 disaggregated)")
     parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                         help="the format the model writes tool calls in (default: read from its chat template)")
     parser.add_argument("--no-access-log", action="store_true",
@@ -89,7 +94,17 @@ def frontend_argv(args: argparse.Namespace) -> list[str]:
             *(["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []),
             *(["--tenants", str(Path(args.tenants).resolve())] if args.tenants else []),
             *(["--max-in-flight", str(args.max_in_flight)] if args.max_in_flight else []),
-            "--queue-timeout-s", str(args.queue_timeout_s), "--batch-share", str(args.batch_share)]
+            "--queue-timeout-s", str(args.queue_timeout_s), "--batch-share", str(args.batch_share),
+            *(["--scale-to-zero"] if scale_to_zero(args) else [])]
+
+
+def scale_to_zero(args: argparse.Namespace) -> bool:
+    """May the serving pool be empty: asked for, or a planner here whose minimum for it is 0."""
+    if args.scale_to_zero:
+        return True
+    if getattr(args, "planner_mode", None) is None:
+        return False
+    return getattr(args, "min_decode" if getattr(args, "prefill", 0) else "min_agg", 1) == 0
 
 
 def event_plane(args: argparse.Namespace, name: str):
@@ -122,6 +137,7 @@ def model_name(args: argparse.Namespace) -> str:
 
 def make_backend(args: argparse.Namespace, discovery):
     from tokenmill.fleet.distributed_backend import DistributedBackend
+    from tokenmill.fleet.empty_pool import EmptyPoolWait
     from tokenmill.fleet.worker_pool import WorkerPool
     from tokenmill.router.cost import CostConfig
     from tokenmill.router.policies import Router, RouterConfig
@@ -139,8 +155,11 @@ def make_backend(args: argparse.Namespace, discovery):
     pool = WorkerPool(discovery, router(router_policy(args)), prefill_router=router("kv"),
                       event_plane=event_plane(args, "frontend"),
                       snapshot_on_join=not args.no_kv_snapshot_on_join)
-    return DistributedBackend(pool, Tokenizer(args.model), model_name(args), limit,
-                              default_timeout_s=args.request_timeout_s, disagg=disagg_config(args))
+    backend = DistributedBackend(pool, Tokenizer(args.model), model_name(args), limit,
+                                 default_timeout_s=args.request_timeout_s, disagg=disagg_config(args))
+    if scale_to_zero(args):
+        backend.empty_pool = EmptyPoolWait(args.queue_timeout_s)
+    return backend
 
 
 async def run_http(args: argparse.Namespace, backend) -> None:
@@ -189,6 +208,9 @@ def _start_planner(app, args: argparse.Namespace):
 
     ctx = app.app.state.serving
     ctx.planner = start(app, args, ctx.metrics.registry, api_keys(args).admin)
+    empty_pool = getattr(ctx.backend, "empty_pool", None)
+    if empty_pool is not None:  # a request waiting on a pool scaled to zero wakes the planner at once
+        empty_pool.listeners.append(ctx.planner.deployment.wake)
     return ctx.planner
 
 

@@ -23,7 +23,7 @@ pid, in-flight requests, started_at, and live replicas counted by role and state
 `{"action": "drain", "worker": NAME}` or `{"action": "drain", "role": R, "count": N}` (the newest
 serving ones) -> `{"drained": [...]}`; `{"action": "rerole", "worker": NAME, "to": R}` -> both.
 Client mistakes are 400s naming the field, an unknown worker a 404, and a drain that would leave
-no agg/decode worker serving (or of a worker not serving) a 409. The other API servers of a
+no agg/decode worker serving (unless the pool may scale to zero) or of a worker not serving a 409. The other API servers of a
 `--api-servers N` deployment forward these two routes to the serve process (`fleet/control_socket.py`).
 """
 from __future__ import annotations

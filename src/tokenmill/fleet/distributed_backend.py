@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tokenmill.backend import BackendUnavailable, Overloaded, tier_gauges
+from tokenmill.fleet.empty_pool import EmptyPoolWait
 from tokenmill.fleet.inbox import StreamInbox
 from tokenmill.fleet.prefill import RemotePrefill
 from tokenmill.fleet.request_progress import RequestProgress
@@ -57,6 +58,7 @@ class DistributedBackend:
         self.migrations_total = 0
         self.local_prefills: Counter[str] = Counter()  # decode worker -> its own prefills before a token
         self.worker_control: Any = None  # `tokenmill serve`'s WorkerControl, for /admin/workers
+        self.empty_pool: EmptyPoolWait | None = None  # scale to zero: requests wait for a worker to join
 
     async def start(self) -> None:
         await self.pool.start()
@@ -65,7 +67,9 @@ class DistributedBackend:
         await self.pool.stop()
 
     def healthy(self) -> bool:
-        return bool(self.pool.in_pool(prefill=False))
+        """A worker serves; or none does, but the pool may be empty (scaled to zero) and a request
+        waits for one to start."""
+        return self.empty_pool is not None or bool(self.pool.in_pool(prefill=False))
 
     def router_index(self, with_hashes: bool) -> dict[str, Any]:
         """Admin: what each router's KV index holds (`router/index_view.py`), by pool."""
@@ -78,6 +82,8 @@ class DistributedBackend:
         snap: dict[str, float] = {"tokenmill_workers": float(len(self.pool.connections)),
                                   "tokenmill_request_migrations_total": float(self.migrations_total),
                                   **self.router.metrics_snapshot(), **self.disagg.metrics_snapshot()}
+        if self.empty_pool is not None:
+            snap["tokenmill_requests_waiting_for_worker"] = float(self.empty_pool.waiting)
         for conn in self.pool.connections.values():
             for key in ("kv_usage", "prefix_hit_rate", "num_waiting", "num_running", "prefill_tokens",
                         "onboarded_tokens", "queried_tokens", "device_hit_tokens", "tiers_enabled", "num_held",
@@ -114,7 +120,8 @@ class DistributedBackend:
         excluded: set[str] = set()
         try:
             while not progress.finished:
-                conn = self._pick(request_id, progress, excluded) if progress.migrations <= self.max_migrations else None
+                conn = (await self._pick_or_wait(request_id, progress, excluded, deadline)
+                        if progress.migrations <= self.max_migrations else None)
                 if conn is None:
                     yield progress.end(request_id, FINISH_ERROR)
                     return
@@ -161,6 +168,20 @@ class DistributedBackend:
         finally:
             if counted:
                 self.local_prefills[worker] -= 1
+
+    async def _pick_or_wait(self, request_id: str, progress: RequestProgress, excluded: set[str],
+                            deadline: float) -> WorkerConnection | None:
+        """`_pick`; a fresh request that finds no worker at all waits for one where the pool may be
+        empty (`empty_pool`), then is routed as usual."""
+        try:
+            return self._pick(request_id, progress, excluded)
+        except BackendUnavailable:
+            if self.empty_pool is None or excluded:
+                raise
+        if not await self.empty_pool.wait(lambda: bool(self.pool.in_pool(prefill=False)), deadline):
+            raise BackendUnavailable(f"no worker started within {self.empty_pool.wait_s:g} s (--queue-timeout-s) "
+                                     "while the pool was scaled to zero; retry later")
+        return self._pick(request_id, progress, excluded)
 
     def _pick(self, request_id: str, progress: RequestProgress, excluded: set[str]) -> WorkerConnection | None:
         """The router's choice among live workers not yet tried; errors only before any output."""

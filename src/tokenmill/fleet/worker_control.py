@@ -84,6 +84,7 @@ class WorkerControl:
         self.roles = roles
         self.start_timeout_s = start_timeout_s
         self.records: dict[str, WorkerRecord] = {}
+        self.may_be_empty = False  # scale to zero: the last serving worker may go (requests wait for the next)
         self._next_index: Counter[str] = Counter()
         for name, role in launch:  # launch workers boot as long as they need, as before
             self.records[name] = WorkerRecord(name, role, "launch", supervisor.pid(name), math.inf)
@@ -194,7 +195,10 @@ class WorkerControl:
         return rec
 
     def _check_someone_serves(self, leaving: list[WorkerRecord], param: str) -> None:
-        """Refuse to take the last serving agg/decode worker away: requests would have nowhere to go."""
+        """Refuse to take the last serving agg/decode worker away: requests would have nowhere to go
+        (unless the pool may be empty: they then wait for a worker to start)."""
+        if self.may_be_empty:
+            return
         names = {r.name for r in leaving}
         serving = [r for r in self.records.values() if r.state == SERVING and r.role != "prefill"]
         if any(r.name in names for r in serving) and all(r.name in names for r in serving):

@@ -6,6 +6,10 @@ removed replicas' load (each left at most `scale_down_utilisation` of its capaci
 does not oscillate); at most ±`max_step` replicas per pool per interval; then the GPU and power
 budgets, trimmed from the pool with the most to spare. Every limit that changes a number leaves
 a line saying which and by how much.
+
+Scale to zero: a pool whose minimum is 0 goes to 0 only once the deployment has been idle (no
+request arriving, none in flight) for `zero_after_intervals` in a row; until then it keeps at
+least one replica and the rules above apply to the rest.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ class Limits:
     max_step: int = 2  # replicas added or removed per pool per interval
     scale_down_intervals: int = 3  # consecutive proposals below current before removing any
     scale_down_utilisation: float = 0.8  # the survivors' share of capacity after a removal, at most
+    zero_after_intervals: int = 10  # idle intervals in a row before a pool with minimum 0 goes to 0
 
     def __post_init__(self) -> None:
         if self.max_step < 1:
@@ -31,6 +36,8 @@ class Limits:
             raise ValueError(f"--scale-down-intervals must be >= 1, got {self.scale_down_intervals}")
         if not 0 < self.scale_down_utilisation <= 1:
             raise ValueError(f"--scale-down-utilisation must be in (0, 1], got {self.scale_down_utilisation}")
+        if self.zero_after_intervals < 1:
+            raise ValueError(f"--scale-to-zero-after-s must span at least one interval, got {self.zero_after_intervals}")
         for role, low in self.min_replicas.items():
             high = self.max_replicas.get(role)
             if low < 0 or (high is not None and high < low):
@@ -60,9 +67,11 @@ class Constrainer:
         self.below_for: dict[str, int] = {}
 
     def apply(self, wanted: Mapping[str, int], current: Mapping[str, int],
-              need: Mapping[str, float], over_target: Mapping[str, str] | None = None) -> Constrained:
+              need: Mapping[str, float], over_target: Mapping[str, str] | None = None,
+              idle_for: int = 0) -> Constrained:
         """`need`: each pool's load in replicas' worth (fractional), for the survivors rule;
-        `over_target`: pools whose latency is over its target now (why), which lose no replica."""
+        `over_target`: pools whose latency is over its target now (why), which lose no replica;
+        `idle_for`: intervals in a row without a request, for going to zero."""
         notes: list[str] = []
         out = {role: self._bounds(role, n, notes) for role, n in wanted.items()}
         for role, n in out.items():
@@ -71,6 +80,10 @@ class Constrainer:
                 notes.append(f"{role}: {n} wanted, keeping {current[role]}: {why}")
                 self.below_for[role] = 0
                 out[role] = current[role]
+                continue
+            if n == 0 and current.get(role, 0) > 0:
+                kept = self._to_zero(role, current[role], idle_for, need.get(role, 0.0), notes)
+                out[role] = self._step(role, kept, current[role], notes)
                 continue
             out[role] = self._scale_down(role, n, current.get(role, 0), need.get(role, 0.0), notes)
             out[role] = self._step(role, out[role], current.get(role, 0), notes)
@@ -114,6 +127,19 @@ class Constrainer:
         if kept < current:
             self.below_for[role] = 0  # a removal restarts the wait for the next one
         return kept
+
+    def _to_zero(self, role: str, current: int, idle_for: int, need: float, notes: list[str]) -> int:
+        """0 once idle long enough (the idle wait stands for the sustained-low rule), else at
+        least one replica, the others under the usual rules."""
+        wait = self.limits.zero_after_intervals
+        if idle_for >= wait:
+            notes.append(f"{role}: no request for {idle_for} intervals: scaled to zero")
+            self.below_for[role] = 0
+            return 0
+        if current > 1:
+            return self._scale_down(role, 1, current, need, notes)
+        notes.append(f"{role}: 0 wanted, holding {current} until idle for {wait} intervals ({idle_for} so far)")
+        return current
 
     def _step(self, role: str, n: int, current: int, notes: list[str]) -> int:
         k = self.limits.max_step

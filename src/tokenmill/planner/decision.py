@@ -6,7 +6,8 @@ that leads with the cause ("decode: KV 91% > 85%; +1 decode").
 
 Paths: `forecast` (the interval's plan added replicas or kept the fleet), `scale-down` (the
 interval's plan removed some, after its sustained-low rule), `fast` (between intervals, a pool's
-first tokens were late now and replicas were added at once), `held` (metrics were missing).
+first tokens were late now and replicas were added at once), `cold-start` (requests waited for a
+serving pool scaled to zero, which got its first replica at once), `held` (metrics were missing).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class Decision:
     expected_itl_s: float | None = None
     reason: str = ""
     held: str | None = None  # why nothing was planned (missing metrics), if so
-    path: str = "forecast"  # forecast | scale-down | fast | held: which path decided
+    path: str = "forecast"  # forecast | scale-down | fast | cold-start | held: which path decided
 
     def explain(self) -> str:
         """The one-line reason: per changed pool the cause, else why it held."""
@@ -54,7 +55,8 @@ class Decision:
             causes += [c for c in self.constraints if c.startswith(action.role + ":")]
             parts.append("; ".join([c for c in causes if c] + [action.describe()]))
         if parts:
-            return ("fast path: " if self.path == "fast" else "") + " | ".join(parts)
+            prefix = {"fast": "fast path: ", "cold-start": "cold start: "}.get(self.path, "")
+            return prefix + " | ".join(parts)
         limits = [c for c in self.constraints if "holding" in c or "keeping" in c]
         if limits:
             return "no change: " + "; ".join(limits)

@@ -37,8 +37,11 @@ def add_planner_arguments(parser: argparse.ArgumentParser, default_mode: str | N
     g.add_argument("--warmup-s", type=float, default=60.0,
                    help="a replica's latency corrects the model once it has served this long")
     for role in ("agg", "prefill", "decode"):
-        g.add_argument(f"--min-{role}", type=int, default=1)
+        g.add_argument(f"--min-{role}", type=int, default=1,
+                       help="0: the pool scales to zero when idle, and back up when a request arrives")
         g.add_argument(f"--max-{role}", type=int, default=None)
+    g.add_argument("--scale-to-zero-after-s", type=float, default=300.0,
+                   help="a pool with minimum 0 goes to 0 after this long with no request")
     g.add_argument("--gpu-budget", type=int, default=None, help="GPUs across every pool, at most")
     g.add_argument("--power-kw", type=float, default=None, help="kW across every pool, at most")
     g.add_argument("--max-step", type=int, default=4, help="replicas added or removed per pool per decision")

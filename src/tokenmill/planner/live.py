@@ -11,6 +11,11 @@ decision asks again: nothing waits on a replica that never became healthy.
 With `fast_s`, between intervals it scrapes every `fast_s` seconds and hands the planner's fast
 path that short window (its TTFT p90 from the frontend's histogram), which may add replicas at
 once; the interval's own observation still spans the whole interval.
+
+Where the serving pool's minimum is 0 (scale to zero), a watcher looks every `COLD_POLL_S`, and
+at once when `wake` is called (the frontend in this process calls it as a request starts waiting
+for a worker), for requests waiting while the pool has no replica, and hands them to the
+planner's cold-start path. One lock keeps the paths from acting on each other's stale view.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ from tokenmill.planner.planner import Planner
 from tokenmill.planner.prometheus_observer import observe, scrape
 
 log = logging.getLogger(__name__)
+
+COLD_POLL_S = 2.0  # a planner in another process sees a waiting request within this (no wake call reaches it)
 
 
 @dataclass(slots=True)
@@ -53,10 +60,26 @@ class LiveDeployment:
     _last: dict[str, Any] | None = None
     _last_fast: dict[str, Any] | None = None
     _started: float = field(default_factory=time.monotonic)
+    _woken: asyncio.Event = field(default_factory=asyncio.Event)
+    _acting: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def wake(self) -> None:
+        """A request is waiting for a worker: look now, not at the next poll."""
+        self._woken.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Decide every interval until `stop` is set (the first scrape only sets the baseline),
-        and with `fast_s` check the fast path every `fast_s` between them."""
+        with `fast_s` check the fast path every `fast_s` between them, and where the pool may be
+        empty watch for requests waiting on it."""
+        watcher = asyncio.create_task(self._watch_empty_pool(stop)) if self.planner.may_scale_to_zero else None
+        try:
+            await self._plan(stop)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+
+    async def _plan(self, stop: asyncio.Event) -> None:
         self._last = self._last_fast = scrape(await self._text("/metrics"))
         period = self.fast_s or self.interval_s
         next_interval = time.monotonic() + self.interval_s
@@ -80,22 +103,47 @@ class LiveDeployment:
                 log.warning("planner: the deployment did not answer (%s); holding", exc)
 
     async def tick(self) -> Decision:
-        now = scrape(await self._text("/metrics"))
-        obs = await self._observe(self._last or now, now, self.interval_s)
-        self._last = self._last_fast = now
-        decision = self.planner.step(obs)
-        await self._act(decision)
-        return decision
+        async with self._acting:
+            now = scrape(await self._text("/metrics"))
+            obs = await self._observe(self._last or now, now, self.interval_s)
+            self._last = self._last_fast = now
+            decision = self.planner.step(obs)
+            await self._act(decision)
+            return decision
 
     async def fast_tick(self) -> Decision | None:
         """The fast path over the seconds since the last scrape; None when it did nothing."""
-        now = scrape(await self._text("/metrics"))
-        obs = await self._observe(self._last_fast or now, now, self.fast_s or self.interval_s)
-        self._last_fast = now
-        decision = self.planner.fast_step(obs)
-        if decision is not None:
-            await self._act(decision)
-        return decision
+        async with self._acting:
+            now = scrape(await self._text("/metrics"))
+            obs = await self._observe(self._last_fast or now, now, self.fast_s or self.interval_s)
+            self._last_fast = now
+            decision = self.planner.fast_step(obs)
+            if decision is not None:
+                await self._act(decision)
+            return decision
+
+    async def cold_tick(self) -> Decision | None:
+        """The cold-start path on the deployment as it is now; None when it did nothing."""
+        async with self._acting:
+            now = scrape(await self._text("/metrics"))
+            decision = self.planner.cold_step(await self._observe(now, now, COLD_POLL_S))
+            if decision is not None:
+                await self._act(decision)
+            return decision
+
+    async def _watch_empty_pool(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(self._woken.wait(), COLD_POLL_S)
+            except TimeoutError:
+                pass
+            self._woken.clear()
+            if self.paused:
+                continue
+            try:
+                await self.cold_tick()
+            except httpx.HTTPError as exc:
+                log.warning("planner: the deployment did not answer (%s); looking again", exc)
 
     async def _observe(self, before: dict[str, Any], after: dict[str, Any], window_s: float) -> Observation:
         workers = await self.workers()

@@ -3,9 +3,9 @@
 `tokenmill_planner_replicas{role}` (the target), `tokenmill_planner_predicted_requests`,
 `..._predicted_isl_tokens`, `..._predicted_osl_tokens`, `..._expected_ttft_seconds`,
 `..._expected_itl_seconds`, `tokenmill_planner_decisions_total{kind}` (scale_up, scale_down,
-fast_scale_up, no_change, held_missing, held_sustain, limited) and
-`tokenmill_planner_gpu_hours_total` (from the intervals' decisions: a fast-path decision's short
-window lies within an interval that counts it already).
+fast_scale_up, cold_start, no_change, held_missing, held_sustain, limited) and
+`tokenmill_planner_gpu_hours_total` (from the intervals' decisions: a fast-path or cold-start
+decision's short window lies within an interval that counts it already).
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def decision_kind(decision: Decision) -> str:
         return "held_missing"
     if decision.path == "fast":
         return "fast_scale_up"
+    if decision.path == "cold-start":
+        return "cold_start"
     if any(a.delta > 0 for a in decision.actions):
         return "scale_up"
     if any(a.delta < 0 for a in decision.actions):
@@ -59,6 +61,6 @@ class PlannerMetrics:
             self.ttft.set(decision.expected_ttft_s)
         if decision.expected_itl_s is not None:
             self.itl.set(decision.expected_itl_s)
-        if decision.path != "fast":
+        if decision.path not in ("fast", "cold-start"):
             present = sum(n * self.gpus.get(role, 1) for role, n in decision.current.items())
             self.gpu_hours.inc(present * decision.observed.interval_s / 3600.0)

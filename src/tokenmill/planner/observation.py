@@ -26,6 +26,7 @@ class Observation:
     itl_p90_s: float | None = None
     queue_depth: int | None = None  # waiting for a replica or for KV
     queue_time_s: float | None = None  # mean wait before the first step
+    waiting_for_worker: int | None = None  # held at the frontend now: the serving pool has no replica
     decode_kv_usage: float | None = None  # mean over serving decode (or agg) replicas, 0..1
     isl_cv2: float | None = None  # squared coefficient of variation of the prompt lengths (queueing headroom)
     peak_prompt_tokens_per_s: float | None = None  # the busiest second's admitted prompt tokens (bursts)

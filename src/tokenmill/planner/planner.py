@@ -3,13 +3,17 @@
     decision = planner.step(obs)        # every interval: the forecast path (or scale-down)
     decision = planner.fast_step(obs)   # between intervals, over a short window: None unless a
                                         # pool's first tokens are late now and replicas were added
+    decision = planner.cold_step(obs)   # at any moment: None unless requests wait for a serving
+                                        # pool scaled to zero, which then gets its first replica
 
 The same object runs against a live deployment (a connector reads `/metrics` and
 `/admin/workers`) and inside the fleet simulator (`planner/simulated.py`); it never touches
 either itself. Invariants: a pool with missing metrics is held, not planned on zeros; an
 interval with no arrivals is zero traffic (the pools go to their minimums, after the
 sustained-low rule); replicas counted as present are the serving and starting ones, so a
-replica that never became healthy is not counted (its connector reports it failed).
+replica that never became healthy is not counted (its connector reports it failed). A pool
+whose minimum is 0 is wanted at 0 while the deployment is idle (no arrivals, nothing in flight),
+and the constrainer lets it go there once the idleness has lasted (`Limits.zero_after_intervals`).
 """
 from __future__ import annotations
 
@@ -50,10 +54,16 @@ class Planner:
         self._last_isl: float | None = None
         self._last_osl: float | None = None
         self._last_forecast: float | None = None
+        self._idle_for = 0  # intervals in a row with no request arriving, waiting or streaming
 
     @property
     def mode(self) -> str:
         return self.proposer.mode
+
+    @property
+    def may_scale_to_zero(self) -> bool:
+        """The serving pool (agg, or decode) may have no replica: requests then wait for one."""
+        return self.constrainer.limits.minimum(self.proposer.roles[-1]) == 0
 
     def step(self, obs: Observation) -> Decision:
         current = {role: obs.count(role) for role in self.proposer.roles}
@@ -100,6 +110,29 @@ class Planner:
         log.debug("planner fast path at %.0f s: %s", obs.at_s, decision.reason)
         return decision
 
+    def cold_step(self, obs: Observation) -> Decision | None:
+        """Requests wait at the frontend and the serving pool (agg, or decode) has no replica,
+        serving or starting: start its minimum (at least one) at once, within the limits; the
+        next interval's plan sizes it. None otherwise."""
+        role = self.proposer.roles[-1]
+        waiting = obs.waiting_for_worker or 0
+        if not waiting or obs.count(role):
+            return None
+        current = {r: obs.count(r) for r in self.proposer.roles}
+        wanted = current | {role: max(self.constrainer.limits.minimum(role), 1)}
+        constrained = self.constrainer.grow(wanted, current)
+        decision = Decision(obs.at_s, self.mode, obs, current, path="cold-start", proposed=wanted,
+                            target=constrained.replicas, constraints=constrained.notes)
+        decision.proposal_reasons = [f"{role}: {waiting} request(s) waiting and no {role} replica (scaled to zero)"]
+        decision.actions = [Action(r, n - current[r]) for r, n in sorted(constrained.replicas.items()) if n > current[r]]
+        if not decision.actions:
+            return None
+        self._idle_for = 0
+        decision.reason = decision.explain()
+        self.decisions.append(decision)
+        log.info("planner cold start at %.0f s: %s", obs.at_s, decision.reason)
+        return decision
+
     def _missing(self, obs: Observation) -> str | None:
         if obs.requests is None:
             return "holding: the request count is missing from this interval's metrics"
@@ -127,13 +160,16 @@ class Planner:
         decision.forecast = {"requests": forecast.requests, "isl": forecast.isl, "osl": forecast.osl,
                              "requests_at_horizon": ahead.requests, "backlog": backlog, "error_margin": margin}
         proposal = self.proposer.propose(ahead, obs)
+        self._idle_for = self._idle_for + 1 if _idle(obs) else 0
+        if self._idle_for:
+            self._want_zero(proposal)
         if backlog:
             proposal.reasons.append(f"{self.proposer.roles[0]}: {backlog:.0f} requests queued, counted as demand")
         if margin:
             proposal.reasons.append(f"{self.proposer.roles[0]}: +{margin:.0f} requests for the forecast's recent "
                                     f"errors (their {self.errors.quantile:.0%} quantile)")
         constrained = self.constrainer.apply(proposal.replicas, decision.current, _need(proposal),
-                                             _over_target_of(self, obs))
+                                             _over_target_of(self, obs), self._idle_for)
         decision.proposed = dict(proposal.replicas)
         decision.target = constrained.replicas
         decision.proposal_reasons = proposal.reasons
@@ -142,6 +178,18 @@ class Planner:
         decision.expected_ttft_s, decision.expected_itl_s = proposal.expected_ttft_s, proposal.expected_itl_s
         decision.actions = [Action(role, n - decision.current.get(role, 0))
                             for role, n in sorted(constrained.replicas.items()) if n != decision.current.get(role, 0)]
+
+    def _want_zero(self, proposal: Proposal) -> None:
+        """Idle: the pools whose minimum is 0 want none (the constrainer waits for it to last)."""
+        for role in proposal.replicas:
+            if self.constrainer.limits.minimum(role) == 0:
+                proposal.replicas[role] = 0
+                proposal.reasons.insert(0, f"{role}: idle for {self._idle_for} interval(s), minimum 0: 0 wanted")
+
+
+def _idle(obs: Observation) -> bool:
+    """No request arrived in the interval, none waits, none streams."""
+    return not (obs.requests or obs.waiting_for_worker or obs.queue_depth or obs.streams_p90 or obs.streams_mean)
 
 
 @dataclass(slots=True, frozen=True)

@@ -8,7 +8,8 @@ deltas, interpolated within a bucket as Prometheus' `histogram_quantile` does. D
 over the requests that finished; the prompt lengths' squared coefficient of variation comes
 from their sum and sum of squares, and the busiest second's prompt tokens from the histogram
 of prompt tokens admitted per second; the decode streams' mean and 90th percentile from the
-histogram of streams sampled each second.
+histogram of streams sampled each second. Requests the frontend holds because no worker serves
+(scaled to zero) are a gauge, read as it is now.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ _COUNTERS = ("tokenmill_requests_started_total", "tokenmill_input_tokens_total",
 _HISTOGRAMS = {"ttft": "tokenmill_time_to_first_token_seconds", "itl": "tokenmill_inter_token_latency_seconds",
                "prompt_tokens_per_s": "tokenmill_prompt_tokens_per_second", "streams": "tokenmill_decode_streams"}
 _LATENCIES = ("ttft", "itl")
+WAITING_FOR_WORKER = "tokenmill_requests_waiting_for_worker"  # a gauge: held while no worker serves
 PEAK_QUANTILE = 0.99  # of the interval's busy seconds: its busiest, within a bucket
 _WORKER_STATES = {"serving": SERVING, "starting": STARTING, "draining": DRAINING}
 
@@ -52,6 +54,9 @@ def _take(sample: Any, out: dict[str, Any], buckets: dict[str, dict[float, float
     if name in _COUNTERS:
         out[name] += value
         return
+    if name == WAITING_FOR_WORKER:
+        out[name] = out.get(name, 0.0) + value
+        return
     for key, histogram in _HISTOGRAMS.items():
         if name == histogram + "_bucket":
             bound = float(labels["le"])
@@ -71,6 +76,8 @@ def observe(before: Mapping[str, Any], after: Mapping[str, Any], at_s: float, in
     delta = {name: after[name] - before[name] for name in _COUNTERS}
     workers = list(workers)
     _replicas(obs, workers, at_s, warmup_s)
+    if WAITING_FOR_WORKER in after:
+        obs.waiting_for_worker = int(after[WAITING_FOR_WORKER])
     if any(v < 0 for v in delta.values()):
         return obs  # the frontend restarted between scrapes: nothing to say about this interval
     obs.requests = int(round(delta["tokenmill_requests_started_total"]))
@@ -95,6 +102,7 @@ def observe(before: Mapping[str, Any], after: Mapping[str, Any], at_s: float, in
                  and serving[name].get("role") in ("decode", "agg")]
     obs.decode_kv_usage = sum(decode_kv) / len(decode_kv) if decode_kv else None
     obs.queue_depth = int(sum(g.get("num_waiting", 0.0) for name, g in gauges.items() if name in serving))
+    obs.queue_depth += obs.waiting_for_worker or 0
     return obs
 
 

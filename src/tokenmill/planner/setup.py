@@ -6,6 +6,7 @@ Shared by `tokenmill planner simulate`, `tokenmill bench planner` and (for the l
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping
 
 from tokenmill.planner.constrain import Constrainer, Limits
@@ -33,10 +34,13 @@ def hold_from(args: argparse.Namespace, replica_startup_s: float | None = None) 
 
 def limits_from(args: argparse.Namespace) -> Limits:
     roles = ("agg", "prefill", "decode")
+    if not args.scale_to_zero_after_s > 0:
+        raise ValueError(f"--scale-to-zero-after-s must be > 0, got {args.scale_to_zero_after_s:g}")
     return Limits(min_replicas={r: getattr(args, f"min_{r}") for r in roles},
                   max_replicas={r: getattr(args, f"max_{r}") for r in roles if getattr(args, f"max_{r}") is not None},
                   gpu_budget=args.gpu_budget, power_kw=args.power_kw, max_step=args.max_step,
-                  scale_down_intervals=args.scale_down_intervals, scale_down_utilisation=args.scale_down_utilisation)
+                  scale_down_intervals=args.scale_down_intervals, scale_down_utilisation=args.scale_down_utilisation,
+                  zero_after_intervals=max(math.ceil(args.scale_to_zero_after_s / args.planner_interval_s - 1e-9), 1))
 
 
 def make_forecaster(name: str, warm_trace: str | None = None, interval_s: float = 30.0) -> Forecaster:

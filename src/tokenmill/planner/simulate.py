@@ -101,7 +101,8 @@ def run_planned(config: FleetConfig, requests: list[TraceRequest], args: argpars
                 forecaster: Forecaster | None = None, oracle: bool = False) -> PlannedRun:
     limits = limits_from(args)
     if oracle:  # knowing the future, nothing to wait for before scaling down
-        limits = dataclasses.replace(limits, scale_down_intervals=1, max_step=MAX_STATIC_REPLICAS)
+        limits = dataclasses.replace(limits, scale_down_intervals=1, max_step=MAX_STATIC_REPLICAS,
+                                     zero_after_intervals=1)
     forecaster = forecaster or make_forecaster(args.predictor, args.warm_start_trace, args.planner_interval_s)
     # a replica asked for now serves after its start-up: size for then (the oracle sees that far itself)
     lookahead_s = args.lookahead_s if args.lookahead_s is not None else config.replica_startup_s
@@ -114,7 +115,7 @@ def run_planned(config: FleetConfig, requests: list[TraceRequest], args: argpars
     deployment = SimulatedDeployment(planner, args.planner_interval_s, args.warmup_s,
                                      None if oracle else args.fast_path_s)
     sim = FleetSim(config)
-    sim.run(requests, controller=deployment.tick, tick_s=deployment.tick_s)
+    sim.run(requests, controller=deployment.tick, tick_s=deployment.tick_s, wake=deployment.wake)
     return PlannedRun(summarize(sim, args.score_from_s), deployment.decisions)
 
 

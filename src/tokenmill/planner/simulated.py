@@ -6,7 +6,9 @@ prompts' spread and the busiest second's prompt tokens, as the live frontend exp
 the requests that got their first token, or finished, in the interval; the streams decoding at
 each second, as the frontend samples them; queue and KV from the replicas), hands it to the planner, and applies the decision's actions as fleet changes
 (started replicas serve after the fleet's start-up delay; removed ones drain). The planner
-code is the one a live deployment runs.
+code is the one a live deployment runs. A request that arrives to a serving pool scaled to zero
+waits in the simulator's backlog and wakes the planner's cold-start path at once (`wake`), as the
+live frontend does; it is served after a replica's start-up.
 
 With `fast_s`, the simulator calls `tick` every `fast_s` instead, and between intervals the
 planner's fast path sees the last `fast_s` seconds (`observe_now`): the arrivals, and for TTFT the
@@ -79,8 +81,19 @@ class SimulatedDeployment:
             decision: Decision | None = self.planner.step(self.observe(sim))
         else:
             decision = self.planner.fast_step(self.observe_now(sim))
-        if decision is None:
-            return
+        if decision is not None:
+            self._apply(sim, decision)
+        self.wake(sim)
+
+    def wake(self, sim: FleetSim) -> None:
+        """The planner's cold-start path, on the requests waiting for a serving pool with no replica."""
+        obs = Observation(at_s=sim.now, interval_s=self.tick_s)
+        self._replicas(obs, sim)
+        decision = self.planner.cold_step(obs)
+        if decision is not None:
+            self._apply(sim, decision)
+
+    def _apply(self, sim: FleetSim, decision: Decision) -> None:
         self.decisions.append(decision)
         for action in decision.actions:
             if action.delta > 0:
@@ -161,4 +174,5 @@ class SimulatedDeployment:
         obs.replicas = {role: dict(counts) for role, counts in states.items()}
         obs.warm_replicas = dict(warm)
         obs.queue_depth = waiting
+        obs.waiting_for_worker = len(sim.backlog)
         obs.decode_kv_usage = float(np.mean(kv)) if kv else None

@@ -37,7 +37,8 @@ class Dashboard:
 
     def state(self) -> dict[str, Any]:
         settings = self.settings.describe() if self.settings is not None else {}
-        return {"settings": settings, "scenarios": self.scenarios.describe() if self.scenarios else {}}
+        return {"settings": settings, "scenarios": self.scenarios.describe() if self.scenarios else {},
+                "tenants": getattr(self.ctx, "tenancy", None) is not None}  # the page then shows their table
 
     def _context_length(self) -> int:
         """The shortest context of the workers (a small KV pool shortens it) or the model's."""

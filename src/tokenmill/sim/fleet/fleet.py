@@ -82,17 +82,20 @@ class FleetSim:
         self.arrived: list[RequestRecord] = []  # in arrival order (a controller reads the new ones)
         self.completed: list[RequestRecord] = []  # in completion order
         self._controller: Callable[[FleetSim], None] | None = None
+        self._on_empty_pool: Callable[[FleetSim], None] | None = None
         self._tick_s: float | None = None
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def run(self, requests: Sequence[TraceRequest], controller: Callable[[FleetSim], None] | None = None,
-            tick_s: float | None = None) -> None:
+            tick_s: float | None = None, wake: Callable[[FleetSim], None] | None = None) -> None:
         """Replay `requests`. With a `controller` (the planner's simulated connector), it is called
-        every `tick_s` of simulated time while anything remains to happen, and may `apply` changes."""
+        every `tick_s` of simulated time while anything remains to happen, and may `apply` changes;
+        `wake`, at once whenever a request arrives to a serving pool with no replica up or starting
+        (scaled to zero), as a live frontend wakes its planner."""
         if controller is not None and not (tick_s and tick_s > 0):
             raise ValueError("a controller needs tick_s > 0")
-        self._controller, self._tick_s = controller, tick_s
+        self._controller, self._tick_s, self._on_empty_pool = controller, tick_s, wake
         if controller is not None:
             self._push(tick_s, TICK, None)  # type: ignore[arg-type]
         for role in ("agg", "prefill", "decode"):
@@ -148,6 +151,9 @@ class FleetSim:
         pool = self._serving(role)
         if not pool:
             self.backlog.append(request)
+            if self._on_empty_pool is not None and not any(r.role == role and r.state == "starting"
+                                                           for r in self.replicas.values()):
+                self._on_empty_pool(self)
             return
         record = self.records[request.request_id]
         routing = RoutingRequest(request.request_id, request.block_hashes, request.input_tokens)

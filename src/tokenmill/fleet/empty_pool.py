@@ -1,0 +1,47 @@
+"""Scale to zero at the frontend: a request that finds no worker serving waits for one.
+
+    waiting = EmptyPoolWait(wait_s=60.0)
+    waiting.listeners.append(planner.wake)       # told at once when a request starts waiting
+    joined = await waiting.wait(lambda: bool(pool.in_pool(prefill=False)), deadline)
+
+Without it (no pool may be empty) a request to an empty pool is refused at once, as before. With
+it the request waits, counted in `waiting` (the frontend's `tokenmill_requests_waiting_for_worker`,
+which a planner in another process reads), until a worker joins, `wait_s` has passed or the
+request's own deadline comes, whichever is first. Waiting holds nothing on any worker: a request
+that gives up (or whose client leaves) has no KV to free.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often a waiting request looks for a joined worker (the pool polls discovery faster
+# while it has no worker)
+
+
+class EmptyPoolWait:
+    def __init__(self, wait_s: float) -> None:
+        if not wait_s > 0:
+            raise ValueError(f"--queue-timeout-s must be positive, got {wait_s}")
+        self.wait_s = wait_s
+        self.waiting = 0
+        self.listeners: list[Callable[[], None]] = []
+
+    async def wait(self, ready: Callable[[], bool], deadline: float) -> bool:
+        """True once `ready()` (a worker serves); False past `wait_s` or `deadline` (monotonic)."""
+        until = min(deadline, time.monotonic() + self.wait_s)
+        self.waiting += 1
+        try:
+            for listener in self.listeners:
+                listener()
+            while not ready():
+                if time.monotonic() >= until:
+                    return False
+                await asyncio.sleep(POLL_S)
+            return True
+        finally:
+            self.waiting -= 1
