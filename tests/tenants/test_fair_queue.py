@@ -90,16 +90,16 @@ def test_a_wait_past_its_timeout_raises_and_a_cancelled_waiter_holds_no_slot() -
         assert queue.waiting_for("c") == 0
         queue.release(held)
         queue.release(held)  # a second release of one slot changes nothing
-        assert queue.in_flight == 0
+        assert queue.share.in_flight == 0
         again = await queue.acquire(tenant("d"), 0.05)
-        assert queue.in_flight == 1 and not again.released
+        assert queue.share.in_flight == 1 and not again.released
         # granted and cancelled at once: the grant is handed back, not kept by a task that is gone
         racing = asyncio.create_task(queue.acquire(tenant("e"), None))
         await asyncio.sleep(0)
         queue.release(again)
         racing.cancel()
         await asyncio.gather(racing, return_exceptions=True)
-        assert racing.cancelled() and queue.in_flight == 0 and queue.waiting_for("e") == 0
+        assert racing.cancelled() and queue.share.in_flight == 0 and queue.waiting_for("e") == 0
     asyncio.run(main())
 
 
@@ -128,7 +128,7 @@ def test_batch_requests_leave_the_other_classes_room() -> None:
         await asyncio.sleep(0)
         admitted = sum(t.done() for t in sweeps)
         assistant = await asyncio.wait_for(queue.acquire(tenant("assistant", cls="interactive"), None), 1)
-        full = queue.in_flight == 5
+        full = queue.share.in_flight == 5
         queue.release(assistant)  # a slot, but batch ones are at their share: none goes in
         await asyncio.sleep(0)
         still = sum(t.done() for t in sweeps) == admitted

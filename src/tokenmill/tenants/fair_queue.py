@@ -6,6 +6,10 @@ then by each tenant's weighted share of tokens within the class.
     queue.charge(slot, tokens)                         # each of its streams' tokens, as it ends
     queue.release(slot)                                # the request is over: its slot frees
 
+    share = FairShare(max_in_flight=64)                # the same order, without the waiting
+    share.enqueue(tenant, item)                        # (the fleet simulator's frontend)
+    for item, slot in share.grant(): ...               # the items let in now, in order
+
 - Class first: a waiting `interactive` request goes before any `standard` one, and those before
   any `batch` one; and `batch` requests hold at most `batch_share` of the slots, so the others'
   arrivals find room without waiting for a batch request to end (in the engine they then take a
@@ -29,6 +33,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.tenants.config import CLASSES, Tenant
 
@@ -49,14 +54,9 @@ class Slot:
     released: bool = False
 
 
-@dataclass(slots=True)
-class _Waiter:
-    tenant: Tenant
-    order: int
-    granted: asyncio.Future[Slot] = field(repr=False)
+class FairShare:
+    """The order of release, with no waiting in it: `enqueue` items, `grant` the slots free now."""
 
-
-class FairQueue:
     def __init__(self, max_in_flight: int, batch_share: float = 0.8) -> None:
         if max_in_flight < 1:
             raise ValueError(f"--max-in-flight must be at least 1, got {max_in_flight}")
@@ -66,7 +66,7 @@ class FairQueue:
         self.batch_slots = max(1, math.floor(max_in_flight * batch_share))
         self.in_flight = 0
         self.batch_in_flight = 0
-        self.waiting: dict[str, deque[_Waiter]] = {}  # by tenant, in arrival order
+        self.waiting: dict[str, deque[_Waiting]] = {}  # by tenant, in arrival order
         self.vtime: dict[str, float] = {}  # by tenant: tokens / weight
         self.usual_cost: dict[str, float] = {}  # by tenant: a moving average of tokens per request
         self.class_vtime = dict.fromkeys(CLASSES, 0.0)
@@ -75,18 +75,32 @@ class FairQueue:
     def waiting_for(self, tenant: str) -> int:
         return len(self.waiting.get(tenant, ()))
 
-    async def acquire(self, tenant: Tenant, timeout_s: float | None) -> Slot:
-        waiter = _Waiter(tenant, next(self._order), asyncio.get_running_loop().create_future())
-        self.waiting.setdefault(tenant.name, deque()).append(waiter)
-        self._dispatch()
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await waiter.granted
-        except BaseException as exc:  # timed out or cancelled: out of the queue, or the slot handed back
-            self._leave(waiter)
-            if isinstance(exc, TimeoutError):
-                raise QueueTimeout(timeout_s or 0.0) from None
-            raise
+    def enqueue(self, tenant: Tenant, item: Any) -> None:
+        self.waiting.setdefault(tenant.name, deque()).append(_Waiting(tenant, next(self._order), item))
+
+    def withdraw(self, tenant: Tenant, item: Any) -> bool:
+        """`item` leaves the queue without a slot; False if it was not waiting."""
+        queue = self.waiting.get(tenant.name, deque())
+        for waiting in queue:
+            if waiting.item is item:
+                queue.remove(waiting)
+                return True
+        return False
+
+    def grant(self) -> list[tuple[Any, Slot]]:
+        """The waiting items let in now, each with its slot, in the order they go."""
+        granted = []
+        while self.in_flight < self.max_in_flight:
+            batch_room = self.batch_in_flight < self.batch_slots
+            heads = [queue[0] for queue in self.waiting.values()
+                     if queue and (batch_room or queue[0].tenant.priority_class != "batch")]
+            if not heads:
+                break
+            rank = CLASSES.index
+            first = min(heads, key=lambda w: (rank(w.tenant.priority_class), self._start(w.tenant), w.order))
+            self.waiting[first.tenant.name].popleft()
+            granted.append((first.item, self._admit(first.tenant)))
+        return granted
 
     def charge(self, slot: Slot, tokens: int) -> None:
         slot.used += tokens
@@ -104,7 +118,6 @@ class FairQueue:
         usual = self.usual_cost.get(name)
         if slot.used:  # (a request that ended before any stream did says nothing of its tenant's usual)
             self.usual_cost[name] = slot.used if usual is None else usual + COST_SMOOTHING * (slot.used - usual)
-        self._dispatch()
 
     def _admit(self, tenant: Tenant) -> Slot:
         start = self._start(tenant)  # (a backlogged tenant's own time is never behind its class's)
@@ -115,26 +128,53 @@ class FairQueue:
         self.batch_in_flight += tenant.priority_class == "batch"
         return Slot(tenant, estimate)
 
-    def _dispatch(self) -> None:
-        while self.in_flight < self.max_in_flight:
-            batch_room = self.batch_in_flight < self.batch_slots
-            heads = [queue[0] for queue in self.waiting.values()
-                     if queue and (batch_room or queue[0].tenant.priority_class != "batch")]
-            if not heads:
-                return
-            rank = CLASSES.index
-            first = min(heads, key=lambda w: (rank(w.tenant.priority_class), self._start(w.tenant), w.order))
-            self.waiting[first.tenant.name].popleft()
-            first.granted.set_result(self._admit(first.tenant))
-
     def _start(self, tenant: Tenant) -> float:
         return max(self.vtime.get(tenant.name, 0.0), self.class_vtime[tenant.priority_class])
 
-    def _leave(self, waiter: _Waiter) -> None:
-        if waiter.granted.done() and not waiter.granted.cancelled():
-            self.release(waiter.granted.result())  # granted as it gave up: nothing used
+
+@dataclass(slots=True)
+class _Waiting:
+    tenant: Tenant
+    order: int
+    item: Any = field(repr=False)
+
+
+class FairQueue:
+    """`FairShare` with asyncio waiting: `acquire` returns once its request is let in."""
+
+    def __init__(self, max_in_flight: int, batch_share: float = 0.8) -> None:
+        self.share = FairShare(max_in_flight, batch_share)
+
+    def waiting_for(self, tenant: str) -> int:
+        return self.share.waiting_for(tenant)
+
+    async def acquire(self, tenant: Tenant, timeout_s: float | None) -> Slot:
+        granted: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+        self.share.enqueue(tenant, granted)
+        self._dispatch()
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await granted
+        except BaseException as exc:  # timed out or cancelled: out of the queue, or the slot handed back
+            self._leave(tenant, granted)
+            if isinstance(exc, TimeoutError):
+                raise QueueTimeout(timeout_s or 0.0) from None
+            raise
+
+    def charge(self, slot: Slot, tokens: int) -> None:
+        self.share.charge(slot, tokens)
+
+    def release(self, slot: Slot) -> None:
+        self.share.release(slot)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        for granted, slot in self.share.grant():
+            granted.set_result(slot)
+
+    def _leave(self, tenant: Tenant, granted: asyncio.Future[Slot]) -> None:
+        if granted.done() and not granted.cancelled():
+            self.release(granted.result())  # granted as it gave up: nothing used
             return
-        waiter.granted.cancel()
-        queue = self.waiting.get(waiter.tenant.name)
-        if queue is not None and waiter in queue:
-            queue.remove(waiter)
+        granted.cancel()
+        self.share.withdraw(tenant, granted)

@@ -15,8 +15,9 @@ and the workers both stay full. Three modes, the two flood ones alternating over
 Printed and written (`--json`, schema "tokenmill.bench.tenants" v1): per mode, the interactive
 TTFT p50/p90 (ms) and its p90 over the unloaded one (the target: at most 1.5 with classes, every
 interactive request answered), the batch tenant's completed requests and the output tok/s it and
-the whole fleet streamed. The fleet
-simulator has no tenants yet, so there is no simulated column.
+the whole fleet streamed; beside them the same three modes in the fleet simulator
+(`tenants_sim.py`: the same fleet, tenants, slots and arrivals, priced by the mock profile's own
+step-time model), so the simulator's account of classes is checked against the live one.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from tokenmill.bench.harness import loadgen
 from tokenmill.bench.harness.checkpoint import model_limits
 from tokenmill.bench.harness.serve_process import running_server
 from tokenmill.bench.harness.serve_stats import Distribution, distribution_ms
+from tokenmill.bench.serving.tenants_sim import simulate_mode
 from tokenmill.workloads.prompt_synth import RequestSpec
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
         for mode, repeat in order:
             log.info("tenants bench: %s, repeat %d", mode, repeat)
             runs.append(_run_mode(args, model, vocab, mode, repeat, work / f"{mode}-{repeat}"))
-    report = _report(args, runs)
+    slots = math.ceil(args.workers * args.max_num_seqs / BATCH_SHARE)
+    simulated = [simulate_mode(args, vocab, mode, 0, slots, BATCH_SHARE, _classes(mode)) for mode in MODES]
+    report = _report(args, runs, simulated)
     _print(report)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
@@ -123,11 +127,15 @@ def _model(args: argparse.Namespace, work: Path) -> Path:
     return model
 
 
+def _classes(mode: str) -> dict[str, str]:
+    if mode == "classes":
+        return {"assistant": "interactive", "sweeps": "batch"}
+    return {"assistant": "standard", "sweeps": "standard"}
+
+
 def _tenants_file(mode: str, path: Path) -> Path:
-    classes = {"assistant": "interactive", "sweeps": "batch"} if mode == "classes" else \
-        {"assistant": "standard", "sweeps": "standard"}
     path.write_text("".join(f'[tenants.{name}]\nkeys = ["{KEYS[name]}"]\nclass = "{cls}"\n\n'
-                            for name, cls in classes.items()))
+                            for name, cls in _classes(mode).items()))
     return path
 
 
@@ -179,37 +187,50 @@ def _prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def _report(args: argparse.Namespace, runs: list[ModeRun]) -> dict[str, Any]:
-    unloaded = next(r for r in runs if r.mode == "unloaded")
-    base_p90 = unloaded.interactive_ttft.p90 if unloaded.interactive_ttft else None
-    rows = []
-    for run in runs:
-        p90 = run.interactive_ttft.p90 if run.interactive_ttft else None
-        rows.append({**asdict(run), "p90_over_unloaded": p90 / base_p90 if p90 and base_p90 else None})
+def _report(args: argparse.Namespace, runs: list[ModeRun], simulated: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = _over_unloaded([asdict(run) for run in runs])
     classes = [r for r in rows if r["mode"] == "classes"]
     with_classes = [r["p90_over_unloaded"] for r in classes if r["p90_over_unloaded"]]
     worst = max(with_classes) if with_classes and len(with_classes) == len(classes) else None
     every_one = all(r["interactive_ok"] == r["interactive_sent"] for r in classes)
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "json_path"}
     return {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION, "config": config, "runs": rows,
+            "simulated": _over_unloaded([{**row, "interactive_ttft": asdict(row["interactive_ttft"])
+                                          if row["interactive_ttft"] else None} for row in simulated]),
             "target": {"p90_over_unloaded_with_classes": P90_TARGET, "worst": worst,
                        "met": worst is not None and worst <= P90_TARGET and every_one}}
 
 
+def _over_unloaded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with its interactive TTFT p90 over the unloaded run's."""
+    unloaded = next(r for r in rows if r["mode"] == "unloaded")
+    base = (unloaded["interactive_ttft"] or {}).get("p90")
+    for row in rows:
+        p90 = (row["interactive_ttft"] or {}).get("p90")
+        row["p90_over_unloaded"] = p90 / base if p90 and base else None
+    return rows
+
+
 def _print(report: dict[str, Any]) -> None:
-    table = Table(title="an interactive tenant beside a batch flood (mock GPU fleet)")
+    console = Console()
+    for key, title in (("runs", "an interactive tenant beside a batch flood (mock GPU fleet)"),
+                       ("simulated", "the same in the fleet simulator")):
+        console.print(_table(title, report[key]))
+    target = report["target"]
+    console.print(f"with classes, interactive TTFT p90 / unloaded: worst {target['worst']} "
+                  f"(target <= {target['p90_over_unloaded_with_classes']}): {'met' if target['met'] else 'NOT met'}")
+
+
+def _table(title: str, rows: list[dict[str, Any]]) -> Table:
+    table = Table(title=title)
     for column in ("mode", "repeat", "interactive ok", "TTFT p50 ms", "TTFT p90 ms", "p90 / unloaded",
                    "batch ok", "batch tok/s", "fleet tok/s"):
         table.add_column(column, justify="right")
-    for r in report["runs"]:
+    for r in rows:
         ttft = r["interactive_ttft"] or {}
         ratio = r["p90_over_unloaded"]
         table.add_row(r["mode"], str(r["repeat"]), f"{r['interactive_ok']}/{r['interactive_sent']}",
                       f"{ttft.get('p50', float('nan')):.0f}", f"{ttft.get('p90', float('nan')):.0f}",
                       "-" if ratio is None else f"{ratio:.2f}", str(r["batch_ok"]),
                       f"{r['batch_output_tok_s']:.0f}", f"{r['fleet_output_tok_s']:.0f}")
-    console = Console()
-    console.print(table)
-    target = report["target"]
-    console.print(f"with classes, interactive TTFT p90 / unloaded: worst {target['worst']} "
-                  f"(target <= {target['p90_over_unloaded_with_classes']}): {'met' if target['met'] else 'NOT met'}")
+    return table

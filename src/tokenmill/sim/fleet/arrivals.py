@@ -63,6 +63,7 @@ class TraceRequest:
     input_tokens: int
     output_tokens: int
     block_hashes: tuple[int, ...]  # chained hashes of the prompt's FULL blocks of `block_size` tokens
+    tenant: str = ""  # whose request (the simulator's tenants, `admission.py`); "" the default tenant's
 
 
 # ---------------------------------------------------------------------------------------------

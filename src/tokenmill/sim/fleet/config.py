@@ -10,6 +10,7 @@ from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 from tokenmill.router.disagg import DisaggConfig
 from tokenmill.router.policies import check_policy
 from tokenmill.sim.fleet.clock import Profile
+from tokenmill.tenants.config import Tenant
 
 ROLES = ("agg", "prefill", "decode")
 ACTIONS = ("add", "remove", "rerole")
@@ -76,6 +77,9 @@ class FleetConfig:
     power_cap_kw: float | None = None
     interval_s: float = 60.0
     seed: int = 0
+    tenants: tuple[Tenant, ...] = ()  # the requests' tenants: their class sets the engine's priority
+    max_in_flight: int | None = None  # the frontend's slots, released by class and fair share
+    batch_share: float = 0.8  # the share of those slots batch-class requests may hold
 
     def __post_init__(self) -> None:
         for name in ("agg", "prefill", "decode"):

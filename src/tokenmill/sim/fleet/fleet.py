@@ -30,6 +30,7 @@ from tokenmill.kv.events import KVEventEmitter
 from tokenmill.router.decision import RoutingRequest
 from tokenmill.router.disagg import LOCAL, REMOTE, DisaggPolicy
 from tokenmill.router.policies import Router, RouterConfig
+from tokenmill.sim.fleet.admission import FleetAdmission
 from tokenmill.sim.fleet.cache import SeqBlocks
 from tokenmill.sim.fleet.clock import StepClock
 from tokenmill.sim.fleet.config import FleetChange, FleetConfig
@@ -69,6 +70,7 @@ class FleetSim:
         self.prefill_in_flight: Counter[str] = Counter()
         self.local_prefills: Counter[str] = Counter()  # decode replica -> its own prefills before the first token
         self.backlog: deque[TraceRequest] = deque()  # arrived while no replica could take them
+        self.admission = FleetAdmission(config.tenants, config.max_in_flight, config.batch_share)
         self.now = 0.0
         self._heap: list[tuple[float, int, int, object]] = []
         self._order = itertools.count()
@@ -144,7 +146,8 @@ class FleetSim:
         if need > self._capacity_tokens[serving_role]:
             record.rejected = f"needs {need} KV tokens, a {serving_role} replica holds {self._capacity_tokens[serving_role]}"
             return
-        self._route(request)
+        for admitted in self.admission.arrive(request):
+            self._route(admitted)
 
     def _route(self, request: TraceRequest) -> None:
         role = self.serving_role
@@ -160,7 +163,8 @@ class FleetSim:
         decision = self.routers[role].select(routing, [r.worker_id for r in pool])
         target = self.replicas[decision.worker]
         record.worker = target.worker_id
-        seq = SimSeq(request.request_id, request.input_tokens, request.output_tokens, _blocks_of(request))
+        seq = SimSeq(request.request_id, request.input_tokens, request.output_tokens, _blocks_of(request),
+                     priority=self.admission.priority(request))
         if role == "decode" and self._prefill_remotely(request, decision.overlap_blocks, record):
             self._send_to_prefill(request, routing, record, target)
             return
@@ -189,7 +193,7 @@ class FleetSim:
         self.prefill_in_flight[chosen.worker_id] += 1
         decode.pending_imports += 1
         seq = SimSeq(request.request_id, request.input_tokens, request.output_tokens,
-                     _blocks_of(request), prefill_only=True)
+                     _blocks_of(request), prefill_only=True, priority=self.admission.priority(request))
         chosen.worker.add(seq)
         self._wake(chosen)
 
@@ -245,6 +249,9 @@ class FleetSim:
         self.finished += 1
         if self.progress is not None:
             self.progress(self.finished)
+        record = self.records[request_id]
+        for admitted in self.admission.done(request_id, record.input_tokens + record.tokens):
+            self._route(admitted)
 
     # ---- disaggregated handoff -------------------------------------------------------------------
 
@@ -261,7 +268,7 @@ class FleetSim:
             self._maybe_retire(decode)
             return
         pulled = SimSeq(seq.request_id, seq.prompt_tokens, seq.output_tokens, SeqBlocks(list(seq.kv.hashes), seq.kv.salt),
-                        num_tokens=seq.prompt_tokens + 1)
+                        num_tokens=seq.prompt_tokens + 1, priority=seq.priority)
         lacking = decode.worker.begin_import(pulled)
         if lacking is None:  # no room to land the KV: prefill it again there (never decode from nothing)
             prefill.worker.release(seq.request_id)
