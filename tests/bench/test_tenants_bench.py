@@ -7,7 +7,17 @@ from pathlib import Path
 import pytest
 
 from tokenmill.bench.harness.serve_stats import distribution_ms
-from tokenmill.bench.serving.tenants_bench import ModeRun, _report, _tenants_file, add_arguments
+from tokenmill.bench.serving.tenants_bench import (
+    BATCH_SHARE,
+    MODES,
+    ModeRun,
+    _classes,
+    _interactive_specs,
+    _report,
+    _tenants_file,
+    add_arguments,
+)
+from tokenmill.bench.serving.tenants_sim import simulate_mode
 from tokenmill.cli import main
 from tokenmill.tenants.config import load_tenants
 
@@ -35,7 +45,7 @@ def test_the_report_divides_each_p90_by_the_unloaded_one_and_checks_the_worst_wi
         return ModeRun(mode, 0, len(ttft_s), len(ttft_s), distribution_ms(ttft_s), 5, 100.0, 110.0)
     runs = [run("unloaded", [0.02] * 10), run("one-class", [0.5] * 10), run("classes", [0.025] * 10),
             run("classes", [0.04] * 10)]
-    report = _report(parser.parse_args([]), runs)
+    report = _report(parser.parse_args([]), runs, [])
     assert [r["p90_over_unloaded"] for r in report["runs"]] == pytest.approx([1.0, 25.0, 1.25, 2.0])
     assert report["target"] == {"p90_over_unloaded_with_classes": 1.5, "worst": pytest.approx(2.0), "met": False}
     assert report["schema"] == "tokenmill.bench.tenants" and report["config"]["flood"] == 5.0
@@ -47,6 +57,25 @@ def test_the_target_needs_every_interactive_request_answered() -> None:
     fast = distribution_ms([0.021] * 9)
     runs = [ModeRun("unloaded", 0, 10, 10, distribution_ms([0.02] * 10), 0, 0.0, 1.0),
             ModeRun("classes", 0, 9, 10, fast, 5, 100.0, 110.0)]  # quick, but one of ten failed
-    assert _report(parser.parse_args([]), runs)["target"]["met"] is False
+    assert _report(parser.parse_args([]), runs, [])["target"]["met"] is False
     runs[1] = ModeRun("classes", 0, 10, 10, fast, 5, 100.0, 110.0)
-    assert _report(parser.parse_args([]), runs)["target"]["met"] is True
+    assert _report(parser.parse_args([]), runs, [])["target"]["met"] is True
+
+
+def test_the_simulated_column_runs_the_live_arrivals_and_shows_what_the_classes_do() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--duration-s", "10"])
+    arrivals = [spec.arrival_s for spec in _interactive_specs(args, 1000, 0)]
+    assert arrivals == sorted(arrivals) and 0 < arrivals[0] and arrivals[-1] < 10
+    slots = 20
+    rows = {mode: simulate_mode(args, mode, arrivals, slots, BATCH_SHARE, _classes(mode)) for mode in MODES}
+    assert all(r["interactive_ok"] == r["interactive_sent"] == len(arrivals) for r in rows.values())
+    p90 = {mode: r["interactive_ttft"].p90 for mode, r in rows.items()}
+    # one class: each interactive request waits for a batch request to free one of the slots
+    assert p90["one-class"] > 10 * p90["unloaded"] and p90["classes"] < 2 * p90["unloaded"]
+    assert rows["unloaded"]["batch_output_tok_s"] == 0 and rows["classes"]["batch_output_tok_s"] > 0
+    assert rows["classes"]["fleet_output_tok_s"] > rows["classes"]["batch_output_tok_s"]
+    report = _report(args, [ModeRun("unloaded", 0, 1, 1, distribution_ms([0.05]), 0, 0.0, 1.0)], list(rows.values()))
+    assert [r["mode"] for r in report["simulated"]] == list(MODES)
+    assert report["simulated"][0]["p90_over_unloaded"] == 1.0 and report["simulated"][1]["p90_over_unloaded"] > 10

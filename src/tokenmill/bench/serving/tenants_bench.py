@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
             log.info("tenants bench: %s, repeat %d", mode, repeat)
             runs.append(_run_mode(args, model, vocab, mode, repeat, work / f"{mode}-{repeat}"))
     slots = math.ceil(args.workers * args.max_num_seqs / BATCH_SHARE)
-    simulated = [simulate_mode(args, vocab, mode, 0, slots, BATCH_SHARE, _classes(mode)) for mode in MODES]
+    arrivals = [spec.arrival_s for spec in _interactive_specs(args, vocab, 0)]
+    simulated = [simulate_mode(args, mode, arrivals, slots, BATCH_SHARE, _classes(mode)) for mode in MODES]
     report = _report(args, runs, simulated)
     _print(report)
     if args.json_path:
@@ -154,11 +155,8 @@ def _run_mode(args: argparse.Namespace, model: Path, vocab: int, mode: str, repe
 
 
 async def _drive(args: argparse.Namespace, url: str, vocab: int, mode: str, repeat: int, slots: int) -> ModeRun:
-    rng = random.Random(args.seed * 1000 + repeat)
-    interactive_specs, t = [], rng.expovariate(args.interactive_rate)
-    while t < args.duration_s:
-        interactive_specs.append(RequestSpec(_prompt(rng, vocab, args.prompt_tokens), args.interactive_output_tokens, t))
-        t += rng.expovariate(args.interactive_rate)
+    rng = random.Random(f"batch-{args.seed}-{repeat}")  # the flood's prompts: a stream of their own
+    interactive_specs = _interactive_specs(args, vocab, repeat)
     flood = 0 if mode == "unloaded" else max(1, round(args.flood * slots))
     batch_specs = [RequestSpec(_prompt(rng, vocab, args.prompt_tokens), args.batch_output_tokens)
                    for _ in range(flood * 50)]  # more than the run can serve: the flood never runs dry
@@ -183,6 +181,16 @@ async def _drive(args: argparse.Namespace, url: str, vocab: int, mode: str, repe
                    len(ok_b), batch_tokens / elapsed, all_tokens / elapsed)
 
 
+def _interactive_specs(args: argparse.Namespace, vocab: int, repeat: int) -> list[RequestSpec]:
+    """The interactive tenant's Poisson arrivals (the same for the live and the simulated runs)."""
+    rng = random.Random(args.seed * 1000 + repeat)
+    specs, t = [], rng.expovariate(args.interactive_rate)
+    while t < args.duration_s:
+        specs.append(RequestSpec(_prompt(rng, vocab, args.prompt_tokens), args.interactive_output_tokens, t))
+        t += rng.expovariate(args.interactive_rate)
+    return specs
+
+
 def _prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
@@ -203,8 +211,8 @@ def _report(args: argparse.Namespace, runs: list[ModeRun], simulated: list[dict[
 
 def _over_unloaded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each row with its interactive TTFT p90 over the unloaded run's."""
-    unloaded = next(r for r in rows if r["mode"] == "unloaded")
-    base = (unloaded["interactive_ttft"] or {}).get("p90")
+    unloaded = next((r for r in rows if r["mode"] == "unloaded"), None)
+    base = ((unloaded or {}).get("interactive_ttft") or {}).get("p90")
     for row in rows:
         p90 = (row["interactive_ttft"] or {}).get("p90")
         row["p90_over_unloaded"] = p90 / base if p90 and base else None

@@ -2,7 +2,7 @@
 
 The fleet is the live run's (the mock profile's replicas, `--max-num-seqs`, the engine's default
 chunk budget, the frontend's slots and batch share, the tenants' classes); the interactive tenant's
-Poisson arrivals are drawn as the live run draws them. The batch tenant's closed-loop flood
+arrivals are the live run's own. The batch tenant's closed-loop flood
 becomes an open queue of requests all there at the start, more than the run can serve: the
 frontend's queue stays full either way, which is what the flood is for. Figures are taken over
 `--duration-s`: the interactive requests' TTFT (the frontend queue's wait included), and the
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 
 from tokenmill.bench.harness.serve_stats import distribution_ms
 from tokenmill.engine.config import EngineConfig
@@ -26,16 +25,18 @@ from tokenmill.tenants.config import Tenant
 MAX_STREAM_TOK_S = 200.0  # above any profile's single-stream decode rate: bounds what a slot serves in the run
 
 
-def simulate_mode(args: argparse.Namespace, vocab: int, mode: str, repeat: int, frontend_slots: int,
+def simulate_mode(args: argparse.Namespace, mode: str, arrivals: list[float], frontend_slots: int,
                   batch_share: float, classes: dict[str, str]) -> dict:
-    """One mode in the fleet simulator: the `ModeRun` fields, as a dict."""
+    """One mode in the fleet simulator, the interactive requests arriving at `arrivals` (seconds):
+    the `ModeRun` fields, as a dict."""
     slots = args.workers * args.max_num_seqs
     tenants = tuple(Tenant(name, (), cls) for name, cls in classes.items())
     config = FleetConfig(profiles={"agg": parse_profile(args.mock_profile, "--mock-profile")}, agg=args.workers,
                          max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default,
                          tenants=tenants, max_in_flight=frontend_slots, batch_share=batch_share, seed=args.seed)
-    interactive = _interactive(args, vocab, repeat, config.block_size)
+    interactive = [_request(i, "i", at_s, args.prompt_tokens, args.interactive_output_tokens, "assistant",
+                            config.block_size) for i, at_s in enumerate(arrivals)]
     flood = [] if mode == "unloaded" else _flood(args, slots, len(interactive), config.block_size)
     sim = FleetSim(config)
     sim.run(interactive + flood)
@@ -45,23 +46,10 @@ def simulate_mode(args: argparse.Namespace, vocab: int, mode: str, repeat: int, 
     batch_tokens = sum(_tokens_within(r, args.duration_s) for r in theirs)
     all_tokens = batch_tokens + sum(_tokens_within(r, args.duration_s) for r in mine)
     ttft = distribution_ms([r.ttft_s for r in ok_i if r.ttft_s is not None])
-    return {"mode": mode, "repeat": repeat, "interactive_ok": len(ok_i), "interactive_sent": len(mine),
+    return {"mode": mode, "repeat": 0, "interactive_ok": len(ok_i), "interactive_sent": len(mine),
             "interactive_ttft": ttft, "batch_ok": sum(1 for r in theirs if r.finished and r.last_token_s is not None
                                                       and r.last_token_s <= args.duration_s),
             "batch_output_tok_s": batch_tokens / args.duration_s, "fleet_output_tok_s": all_tokens / args.duration_s}
-
-
-def _interactive(args: argparse.Namespace, vocab: int, repeat: int, block_size: int) -> list[TraceRequest]:
-    """The live run's arrival times: its generator, drawn as it draws (a prompt's ids, then the gap)."""
-    rng = random.Random(args.seed * 1000 + repeat)
-    out, t = [], rng.expovariate(args.interactive_rate)
-    while t < args.duration_s:
-        for _ in range(args.prompt_tokens):
-            rng.randrange(3, vocab)
-        out.append(_request(len(out), "i", t, args.prompt_tokens, args.interactive_output_tokens, "assistant",
-                            block_size))
-        t += rng.expovariate(args.interactive_rate)
-    return out
 
 
 def _flood(args: argparse.Namespace, slots: int, first: int, block_size: int) -> list[TraceRequest]:
