@@ -234,3 +234,64 @@ def test_a_wait_past_the_queue_timeout_is_a_503_with_retry_after() -> None:
     assert error.status == 503 and error.headers == {"Retry-After": "1"}
     assert "saturated for the 0.05 s" in error.detail.message and "--queue-timeout-s" in error.detail.message
     assert error.detail.code == "queue_timeout"
+
+
+FAIR = "".join(f'[tenants.{name}]\nkeys = ["k-{name}"]\nweight = {weight}\n\n'
+               for name, weight in (("heavy", 1), ("light", 1), ("three", 3), ("one", 1), ("holder", 1)))
+
+
+@pytest.fixture(scope="module")
+def fair_server(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _serving(tiny_dense, tmp_path_factory.mktemp("fair"), FAIR, "--max-in-flight", "1")
+
+
+@pytest.mark.parametrize(("tenants", "counts", "ratio"), [(("heavy", "light"), (100, 10), 1.0),
+                                                          (("three", "one"), (40, 12), 3.0)])
+def test_backlogged_tenants_are_served_tokens_by_weight_whatever_they_send(
+        fair_server: Server, tenants: tuple[str, str], counts: tuple[int, int], ratio: float) -> None:
+    """Real processes: one slot, held (by a third tenant) while both tenants queue their requests
+    (equal ones), then freed; up to the last of the smaller tenant's requests, the tokens each got
+    are in the ratio of their weights, within 10%, though one sent many times the other's requests."""
+    url = fair_server.url
+    first, second = tenants
+
+    def waiting() -> dict[str, int]:
+        rows = httpx.get(url + "/admin/tenants", timeout=10, trust_env=False).json()["data"]
+        return {row["name"]: row["waiting"] for row in rows}
+
+    async def main() -> list[str]:
+        done: list[str] = []
+        async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False,
+                                     limits=httpx.Limits(max_connections=200)) as client:
+            async def one(name: str) -> None:
+                r = await client.post("/v1/completions", headers={"Authorization": f"Bearer k-{name}"}, json={
+                    "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                done.append(name)
+
+            body = {"model": "tiny", "prompt": [9, 10], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body,
+                                     headers={"Authorization": "Bearer k-holder"}) as stream:
+                lines = stream.aiter_lines()
+                while not (await anext(lines)).startswith("data:"):  # the one slot is taken
+                    pass
+                tasks = [asyncio.create_task(one(name)) for name, n in zip(tenants, counts, strict=True)
+                         for _ in range(n)]
+                for _ in range(600):
+                    queued = await asyncio.to_thread(waiting)
+                    if (queued[first], queued[second]) == counts:
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError(f"the requests never all queued: {waiting()}")
+            # the holder gone, the slot goes round by fair share; stop once the smaller tenant is served
+            while done.count(second) < counts[1]:
+                await asyncio.sleep(0.05)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return done
+    order = asyncio.run(main())
+    last = max(i for i, name in enumerate(order) if name == second)
+    served = [order[:last + 1].count(name) for name in tenants]  # equal requests: tokens go as requests do
+    assert served[0] / served[1] == pytest.approx(ratio, rel=0.1), order
