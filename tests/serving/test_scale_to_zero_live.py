@@ -74,7 +74,7 @@ def test_a_frontend_whose_pool_stays_empty_answers_503_at_its_queue_timeout(tiny
     registry.mkdir()
     argv = _tokenmill("frontend", "--model", str(tiny_dense), "--served-model-name", "tiny", "--discovery",
                       f"file:{registry}", "--host", HOST, "--port", str(port), "--scale-to-zero",
-                      "--queue-timeout-s", "10")
+                      "--queue-timeout-s", "4")
     process = launch(argv, tmp_path / "frontend.log")
     base = f"http://{HOST}:{port}"
     replies: list[httpx.Response] = []
@@ -97,5 +97,5 @@ def test_a_frontend_whose_pool_stays_empty_answers_503_at_its_queue_timeout(tiny
     assert reply.status_code == 503, reply.text
     error = reply.json()["error"]
     assert error["code"] == "service_unavailable"
-    assert "no worker started within 10 s (--queue-timeout-s)" in error["message"]
+    assert "no worker started within 4 s (--queue-timeout-s)" in error["message"]
     assert waiting_after == 0

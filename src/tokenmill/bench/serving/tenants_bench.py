@@ -5,7 +5,9 @@ Each run is a fresh `tokenmill serve --runner mock --mock-profile P --workers W 
 more. The interactive tenant sends `--interactive-rate` requests a
 second (Poisson, seeded) for `--duration-s`; in the flood runs the batch tenant keeps `--flood`
 times the fleet's W*S slots of requests in flight meanwhile (closed loop), so the frontend's queue
-and the workers both stay full. Three modes, the two flood ones alternating over `--repeats`:
+and the workers both stay full. Three modes, each `--repeats` times, in turn (each repeat starts
+one mode further along), every run after a few unmeasured interactive requests (a fresh server's
+first steps are slow):
 
 - `unloaded`: the interactive tenant alone (its TTFT without the flood);
 - `one-class`: both tenants `standard` with equal weights (fair shares, no priorities);
@@ -13,8 +15,8 @@ and the workers both stay full. Three modes, the two flood ones alternating over
   interactive requests go first, and the engine admits, schedules and preempts by class).
 
 Printed and written (`--json`, schema "tokenmill.bench.tenants" v1): per mode, the interactive
-TTFT p50/p90 (ms) and its p90 over the unloaded one (the target: at most 1.5 with classes, every
-interactive request answered), the batch tenant's completed requests and the output tok/s it and
+TTFT p50/p90 (ms) and its p90 over the same repeat's unloaded one (the target: at most 1.5 with
+classes, every interactive request answered), the batch tenant's completed requests and the output tok/s it and
 the whole fleet streamed; beside them the same three modes in the fleet simulator
 (`tenants_sim.py`: the same fleet, tenants, slots and arrivals, priced by the mock profile's own
 step-time model), so the simulator's account of classes is checked against the live one.
@@ -51,6 +53,7 @@ P90_TARGET = 1.5  # interactive TTFT p90 under the flood, over unloaded, with cl
 SERVED_NAME = "tenants"
 KEYS = {"assistant": "k-assistant", "sweeps": "k-sweeps"}
 BATCH_SHARE = 0.8
+WARMUP_REQUESTS = 4  # unmeasured, one at a time, before each run's load
 
 
 @dataclass(slots=True)
@@ -71,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mock-profile", default="llama-3.1-70b@h100:fp8:tp4", help="the mock workers' GPU clock")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="each worker's step budget (a GPU's: a prompt and the running decodes fit one step)")
     parser.add_argument("--flood", type=float, default=5.0, help="batch requests in flight, times the fleet's slots")
     parser.add_argument("--interactive-rate", type=float, default=2.0, help="interactive requests a second")
     parser.add_argument("--duration-s", type=float, default=30.0)
@@ -95,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"error: {exc}")
             return 2
-        order = [("unloaded", 0)] + [(mode, r) for r in range(args.repeats)
-                                     for mode in (("one-class", "classes") if r % 2 == 0 else ("classes", "one-class"))]
+        order = [(mode, r) for r in range(args.repeats) for mode in MODES[r % 3:] + MODES[:r % 3]]
         for mode, repeat in order:
             log.info("tenants bench: %s, repeat %d", mode, repeat)
             runs.append(_run_mode(args, model, vocab, mode, repeat, work / f"{mode}-{repeat}"))
@@ -111,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    for name in ("workers", "max_num_seqs", "flood", "interactive_rate", "duration_s", "prompt_tokens",
-                 "interactive_output_tokens", "batch_output_tokens", "repeats", "timeout_s"):
+    for name in ("workers", "max_num_seqs", "max_num_batched_tokens", "flood", "interactive_rate", "duration_s",
+                 "prompt_tokens", "interactive_output_tokens", "batch_output_tokens", "repeats", "timeout_s"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
 
@@ -147,6 +151,7 @@ def _run_mode(args: argparse.Namespace, model: Path, vocab: int, mode: str, repe
     frontend_slots = math.ceil(slots / BATCH_SHARE)
     flags = ["--model", str(model), "--served-model-name", SERVED_NAME, "--runner", "mock",
              "--mock-profile", args.mock_profile, "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--tenants", str(_tenants_file(mode, run_dir / "tenants.toml")),
              "--max-in-flight", str(frontend_slots), "--batch-share", str(BATCH_SHARE),
              "--queue-timeout-s", str(args.timeout_s), "--seed", str(args.seed)]
@@ -164,6 +169,8 @@ async def _drive(args: argparse.Namespace, url: str, vocab: int, mode: str, repe
     batch = loadgen.Target(url, SERVED_NAME, args.timeout_s, KEYS["sweeps"])
     i_records, b_records = loadgen.new_records(interactive_specs), loadgen.new_records(batch_specs)
     async with loadgen.make_client(flood + len(interactive_specs) + 4) as client:
+        warmup = [RequestSpec(_prompt(rng, vocab, args.prompt_tokens), 4) for _ in range(WARMUP_REQUESTS)]
+        await loadgen.run_closed_loop(client, interactive, warmup, loadgen.new_records(warmup), 1, lambda r: None)
         started = time.perf_counter()
         flooding = asyncio.create_task(loadgen.run_closed_loop(client, batch, batch_specs, b_records, flood,
                                                                lambda r: None)) if flood else None
@@ -210,12 +217,11 @@ def _report(args: argparse.Namespace, runs: list[ModeRun], simulated: list[dict[
 
 
 def _over_unloaded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row with its interactive TTFT p90 over the unloaded run's."""
-    unloaded = next((r for r in rows if r["mode"] == "unloaded"), None)
-    base = ((unloaded or {}).get("interactive_ttft") or {}).get("p90")
+    """Each row with its interactive TTFT p90 over the same repeat's unloaded run's."""
+    base = {r["repeat"]: (r["interactive_ttft"] or {}).get("p90") for r in rows if r["mode"] == "unloaded"}
     for row in rows:
-        p90 = (row["interactive_ttft"] or {}).get("p90")
-        row["p90_over_unloaded"] = p90 / base if p90 and base else None
+        p90, unloaded = (row["interactive_ttft"] or {}).get("p90"), base.get(row["repeat"])
+        row["p90_over_unloaded"] = p90 / unloaded if p90 and unloaded else None
     return rows
 
 

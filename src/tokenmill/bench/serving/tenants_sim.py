@@ -1,7 +1,7 @@
 """`tokenmill bench tenants`'s simulated column: the same fleet and load in the fleet simulator.
 
-The fleet is the live run's (the mock profile's replicas, `--max-num-seqs`, the engine's default
-chunk budget, the frontend's slots and batch share, the tenants' classes); the interactive tenant's
+The fleet is the live run's (the mock profile's replicas, `--max-num-seqs`,
+`--max-num-batched-tokens`, the frontend's slots and batch share, the tenants' classes); the interactive tenant's
 arrivals are the live run's own. The batch tenant's closed-loop flood
 becomes an open queue of requests all there at the start, more than the run can serve: the
 frontend's queue stays full either way, which is what the flood is for. Figures are taken over
@@ -14,7 +14,6 @@ import argparse
 import math
 
 from tokenmill.bench.harness.serve_stats import distribution_ms
-from tokenmill.engine.config import EngineConfig
 from tokenmill.sim.fleet.arrivals import TraceRequest
 from tokenmill.sim.fleet.clock import parse_profile
 from tokenmill.sim.fleet.config import FleetConfig
@@ -33,7 +32,7 @@ def simulate_mode(args: argparse.Namespace, mode: str, arrivals: list[float], fr
     tenants = tuple(Tenant(name, (), cls) for name, cls in classes.items())
     config = FleetConfig(profiles={"agg": parse_profile(args.mock_profile, "--mock-profile")}, agg=args.workers,
                          max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=EngineConfig.__dataclass_fields__["max_num_batched_tokens"].default,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
                          tenants=tenants, max_in_flight=frontend_slots, batch_share=batch_share, seed=args.seed)
     interactive = [_request(i, "i", at_s, args.prompt_tokens, args.interactive_output_tokens, "assistant",
                             config.block_size) for i, at_s in enumerate(arrivals)]
