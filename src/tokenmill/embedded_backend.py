@@ -107,6 +107,7 @@ class LocalBackend:
             snapshot[f"tokenmill_worker_onboarded_tokens{worker}"] = float(stats.onboarded_tokens)
             snapshot[f"tokenmill_worker_spec_draft_tokens{worker}"] = float(stats.spec_draft_tokens)
             snapshot[f"tokenmill_worker_spec_accepted_tokens{worker}"] = float(stats.spec_accepted_tokens)
+            snapshot[f"tokenmill_worker_busy_seconds_total{worker}"] = stats.busy_seconds
             snapshot.update(tier_gauges(self.worker_id, tier_load(stats.tier_stats)))
         return snapshot
 

@@ -87,6 +87,8 @@ def test_the_simulated_column_runs_the_live_arrivals_and_shows_what_the_classes_
     assert p90["one-class"] > 10 * p90["unloaded"] and p90["classes"] < 2 * p90["unloaded"]
     assert rows["unloaded"]["batch_output_tok_s"] == 0 and rows["classes"]["batch_output_tok_s"] > 0
     assert rows["classes"]["fleet_output_tok_s"] > rows["classes"]["batch_output_tok_s"]
+    # the flood keeps every replica stepping; alone, the interactive tenant leaves them mostly idle
+    assert 0.9 <= rows["classes"]["fleet_utilisation"] <= 1.0 and rows["unloaded"]["fleet_utilisation"] < 0.5
     report = _report(args, [ModeRun("unloaded", 0, 1, 1, distribution_ms([0.05]), 0, 0.0, 1.0)], list(rows.values()))
     assert [r["mode"] for r in report["simulated"]] == list(MODES)
     assert report["simulated"][0]["p90_over_unloaded"] == 1.0 and report["simulated"][1]["p90_over_unloaded"] > 10

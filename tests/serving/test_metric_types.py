@@ -9,6 +9,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving.conftest import Server
+from tests.serving.probes import metric, wait
 from tokenmill.api.metric_families import typed_families
 
 
@@ -21,6 +22,8 @@ def test_the_served_metrics_have_their_true_types(two_worker_server: Server) -> 
     assert families["tokenmill_router_decisions"].type == "counter"
     assert families["tokenmill_request_migrations"].type == "counter"
     assert families["tokenmill_worker_kv_usage"].type == "gauge"
+    assert families["tokenmill_worker_busy_seconds"].type == "counter"  # each worker's steps' time from its start
+    wait(lambda: metric(two_worker_server.url, "tokenmill_worker_busy_seconds_total") > 0, "a heartbeat with the steps")
     latency = families["tokenmill_router_decision_latency_seconds"]
     assert latency.type == "histogram"
     buckets = [(float(s.labels["le"]), s.value) for s in latency.samples if s.name.endswith("_bucket")]

@@ -76,6 +76,11 @@ class EngineStats:
     request_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (prefill, decode) blocks
 
     @property
+    def busy_seconds(self) -> float:
+        """The time its steps took, from its start (busy ÷ wall time: how much of it was used)."""
+        return self.prefill_step_seconds + self.decode_step_seconds
+
+    @property
     def prefill_blocks(self) -> int:
         """Uncached blocks of requests still before their first token (waiting included)."""
         return sum(p for p, _ in self.request_blocks.values())

@@ -91,6 +91,8 @@ class DistributedBackend:
                         "kv_transfer_bytes", "kv_transfer_seconds", "spec_draft_tokens", "spec_accepted_tokens"):
                 if key in conn.load:
                     snap[f'tokenmill_worker_{key}{{worker="{conn.worker_id}"}}'] = float(conn.load[key])
+            if "busy_seconds" in conn.load:  # the worker's steps' time from its start: a counter
+                snap[f'tokenmill_worker_busy_seconds_total{{worker="{conn.worker_id}"}}'] = float(conn.load["busy_seconds"])
             snap.update(tier_gauges(conn.worker_id, conn.load))
         if self.worker_control is not None:
             for role, states in self.worker_control.snapshot()["replicas"].items():

@@ -17,7 +17,8 @@ first steps are slow):
 Printed and written (`--json`, schema "tokenmill.bench.tenants" v1): per mode, the interactive
 TTFT p50/p90 (ms) and its p90 over the same repeat's unloaded one (the target: at most 1.5 with
 classes, every interactive request answered), the batch tenant's completed requests and the output tok/s it and
-the whole fleet streamed; beside them the same three modes in the fleet simulator
+the whole fleet streamed, and the fleet's utilisation (its workers' step time over the run's wall
+time, `tokenmill_worker_busy_seconds_total`); beside them the same three modes in the fleet simulator
 (`tenants_sim.py`: the same fleet, tenants, slots and arrivals, priced by the mock profile's own
 step-time model), so the simulator's account of classes is checked against the live one.
 """
@@ -35,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
@@ -66,6 +69,7 @@ class ModeRun:
     batch_ok: int
     batch_output_tok_s: float
     fleet_output_tok_s: float
+    fleet_utilisation: float | None = None  # the workers' step time over the run's wall time, all workers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,11 +175,13 @@ async def _drive(args: argparse.Namespace, url: str, vocab: int, mode: str, repe
     async with loadgen.make_client(flood + len(interactive_specs) + 4) as client:
         warmup = [RequestSpec(_prompt(rng, vocab, args.prompt_tokens), 4) for _ in range(WARMUP_REQUESTS)]
         await loadgen.run_closed_loop(client, interactive, warmup, loadgen.new_records(warmup), 1, lambda r: None)
+        busy_before = await _busy_seconds(client, url)
         started = time.perf_counter()
         flooding = asyncio.create_task(loadgen.run_closed_loop(client, batch, batch_specs, b_records, flood,
                                                                lambda r: None)) if flood else None
         await loadgen.run_open_loop(client, interactive, interactive_specs, i_records, lambda r: None)
         elapsed = time.perf_counter() - started
+        busy = await _busy_seconds(client, url) - busy_before
         if flooding is not None:
             flooding.cancel()
             await asyncio.gather(flooding, return_exceptions=True)
@@ -185,7 +191,14 @@ async def _drive(args: argparse.Namespace, url: str, vocab: int, mode: str, repe
     batch_tokens = sum(len(r.token_times_s) for r in b_records)
     all_tokens = batch_tokens + sum(len(r.token_times_s) for r in i_records)
     return ModeRun(mode, repeat, len(ok_i), len(i_records), distribution_ms([r.ttft_s for r in ok_i if r.ttft_s]),
-                   len(ok_b), batch_tokens / elapsed, all_tokens / elapsed)
+                   len(ok_b), batch_tokens / elapsed, all_tokens / elapsed, busy / (elapsed * args.workers))
+
+
+async def _busy_seconds(client: httpx.AsyncClient, url: str) -> float:
+    """The workers' step time from their start, summed (as their last heartbeats said)."""
+    text = (await client.get(url + "/metrics")).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "tokenmill_worker_busy_seconds_total")
 
 
 def _interactive_specs(args: argparse.Namespace, vocab: int, repeat: int) -> list[RequestSpec]:
@@ -238,7 +251,7 @@ def _print(report: dict[str, Any]) -> None:
 def _table(title: str, rows: list[dict[str, Any]]) -> Table:
     table = Table(title=title)
     for column in ("mode", "repeat", "interactive ok", "TTFT p50 ms", "TTFT p90 ms", "p90 / unloaded",
-                   "batch ok", "batch tok/s", "fleet tok/s"):
+                   "batch ok", "batch tok/s", "fleet tok/s", "fleet util"):
         table.add_column(column, justify="right")
     for r in rows:
         ttft = r["interactive_ttft"] or {}
@@ -246,5 +259,6 @@ def _table(title: str, rows: list[dict[str, Any]]) -> Table:
         table.add_row(r["mode"], str(r["repeat"]), f"{r['interactive_ok']}/{r['interactive_sent']}",
                       f"{ttft.get('p50', float('nan')):.0f}", f"{ttft.get('p90', float('nan')):.0f}",
                       "-" if ratio is None else f"{ratio:.2f}", str(r["batch_ok"]),
-                      f"{r['batch_output_tok_s']:.0f}", f"{r['fleet_output_tok_s']:.0f}")
+                      f"{r['batch_output_tok_s']:.0f}", f"{r['fleet_output_tok_s']:.0f}",
+                      "-" if r["fleet_utilisation"] is None else f"{r['fleet_utilisation']:.0%}")
     return table

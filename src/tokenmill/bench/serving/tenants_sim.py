@@ -5,8 +5,9 @@ The fleet is the live run's (the mock profile's replicas, `--max-num-seqs`,
 arrivals are the live run's own. The batch tenant's closed-loop flood
 becomes an open queue of requests all there at the start, more than the run can serve: the
 frontend's queue stays full either way, which is what the flood is for. Figures are taken over
-`--duration-s`: the interactive requests' TTFT (the frontend queue's wait included), and the
-tokens streamed in that time (a request's tokens spread evenly over its stream).
+`--duration-s`: the interactive requests' TTFT (the frontend queue's wait included), the
+tokens streamed in that time (a request's tokens spread evenly over its stream), and the replicas'
+step time by then over the workers' wall time.
 """
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def simulate_mode(args: argparse.Namespace, mode: str, arrivals: list[float], fr
                             config.block_size) for i, at_s in enumerate(arrivals)]
     flood = [] if mode == "unloaded" else _flood(args, slots, len(interactive), config.block_size)
     sim = FleetSim(config)
-    sim.run(interactive + flood)
+    busy: list[float] = []  # the replicas' step time when the run's time is up
+    sim.run(interactive + flood, controller=lambda s: busy.append(sum(r.busy_s for r in s.replicas.values())),
+            tick_s=args.duration_s)
     mine = [sim.records[r.request_id] for r in interactive]
     theirs = [sim.records[r.request_id] for r in flood]
     ok_i = [r for r in mine if r.finished]
@@ -48,7 +51,8 @@ def simulate_mode(args: argparse.Namespace, mode: str, arrivals: list[float], fr
     return {"mode": mode, "repeat": 0, "interactive_ok": len(ok_i), "interactive_sent": len(mine),
             "interactive_ttft": ttft, "batch_ok": sum(1 for r in theirs if r.finished and r.last_token_s is not None
                                                       and r.last_token_s <= args.duration_s),
-            "batch_output_tok_s": batch_tokens / args.duration_s, "fleet_output_tok_s": all_tokens / args.duration_s}
+            "batch_output_tok_s": batch_tokens / args.duration_s, "fleet_output_tok_s": all_tokens / args.duration_s,
+            "fleet_utilisation": busy[0] / (args.duration_s * args.workers) if busy else None}
 
 
 def _flood(args: argparse.Namespace, slots: int, first: int, block_size: int) -> list[TraceRequest]:
