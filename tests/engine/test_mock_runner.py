@@ -121,6 +121,18 @@ def test_speedup_scales_the_wait_but_not_the_modelled_time(tiny_moe: Path) -> No
     steps = engine.stats().num_steps
     assert engine.runner.modelled_seconds == pytest.approx(0.02 * steps)  # unscaled model time
     assert wall >= engine.runner.modelled_seconds / 10  # a lower bound only: the machine may be slow
+    # the engine's busy time is the steps' time as played, even when the waits are left to its loop
+    assert engine.stats().busy_seconds == pytest.approx(0.02 * steps / 10)
+
+
+def test_a_deferred_wait_still_counts_the_steps_time_as_busy(tiny_moe: Path) -> None:
+    engine = make_engine(tiny_moe, runner="mock", mock_step_time=StepTimeModel(a=0.5, b=0.0, c=0.0, d=0.0))
+    engine.runner.defer_waits = True  # as the async engine runs it: the loop waits, not the step
+    engine.generate(prompts(engine, 1, seed=16, low=5, high=10), SamplingParams(max_tokens=4, temperature=0.0,
+                                                                                ignore_eos=True))
+    steps = engine.stats().num_steps
+    assert engine.stats().busy_seconds == pytest.approx(0.5 * steps)  # the model's time, not the host's
+    assert engine.runner.take_step_end() is not None  # the last step's wait was left to the caller
 
 
 @pytest.mark.parametrize("speedup", [0.0, -1.0, float("nan"), float("inf")])

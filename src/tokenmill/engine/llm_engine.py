@@ -282,7 +282,7 @@ class LLMEngine:
             sampled = self.runner.execute(outs[0], self.kv)
         else:  # attention data parallel: every rank steps together, idle ones included
             sampled = self.runner.execute_ranks(outs, self.kvs)  # type: ignore[attr-defined]
-        self.counters.record_step(outs, time.perf_counter() - t0)
+        self.counters.record_step(outs, self.runner.step_seconds(time.perf_counter() - t0))
         results = []
         for scheduler, out in zip(self.schedulers, outs):
             results += self._process(scheduler, out, sampled)

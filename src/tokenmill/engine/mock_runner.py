@@ -71,6 +71,7 @@ class MockRunner:
         # Set by an asyncio driver (AsyncLLMEngine): the step's end is recorded, not slept
         # through, and the driver awaits it, so the worker's event loop keeps serving.
         self.defer_waits = False
+        self._last_step_s = 0.0
         self._last_end: float | None = None  # perf_counter when the previous step's modelled time ended
         self._last_ids: set[str] = set()
         self._pending_end: float | None = None
@@ -78,9 +79,15 @@ class MockRunner:
     def close(self) -> None:
         """Nothing to release."""
 
+    def step_seconds(self, measured: float) -> float:
+        """The clock's time for the last step, as played (÷ speedup): the host's is no measure
+        of it when the wait is deferred to the engine's loop."""
+        return self._last_step_s
+
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Sampled:
         seconds = self.clock.seconds(step_work(out))
         self.modelled_seconds += seconds
+        self._last_step_s = seconds / self.speedup
         if self.sleep:
             self._wait(seconds / self.speedup, {s.request.request_id for s in out.seqs})
         elif self.defer_waits:

@@ -30,3 +30,8 @@ class ModelRunner(Protocol):
     def close(self) -> None:
         """Release what the runner holds beyond memory (a parallel runner's other ranks)."""
         ...
+
+    def step_seconds(self, measured: float) -> float:
+        """How long the step it just executed takes on the device it stands for (its busy time,
+        shared among the step's requests), given the host's `measured` time."""
+        ...
