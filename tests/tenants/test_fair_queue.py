@@ -100,6 +100,19 @@ def test_a_wait_past_its_timeout_raises_and_a_cancelled_waiter_holds_no_slot() -
         racing.cancel()
         await asyncio.gather(racing, return_exceptions=True)
         assert racing.cancelled() and queue.share.in_flight == 0 and queue.waiting_for("e") == 0
+        # cancelled, and a slot frees before the cancelled task runs again: the slot goes to the next
+        # waiter, not to the one that is gone (nor is it lost)
+        holder = await queue.acquire(tenant("f"), None)
+        leaving = asyncio.create_task(queue.acquire(tenant("g"), None))
+        staying = asyncio.create_task(queue.acquire(tenant("h"), None))
+        await asyncio.sleep(0)
+        leaving.cancel()
+        queue.release(holder)  # before `leaving` has run its cleanup
+        slot = await staying
+        await asyncio.gather(leaving, return_exceptions=True)
+        assert slot.tenant.name == "h" and queue.share.in_flight == 1 and queue.waiting_for("g") == 0
+        queue.release(slot)
+        assert queue.share.in_flight == 0
     asyncio.run(main())
 
 

@@ -19,17 +19,16 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05  # how often a waiting request looks for a joined worker (the pool polls discovery faster
-# while it has no worker)
+POLL_S = 0.05  # how often the pool is looked at while requests wait (discovery is polled faster then)
 
 
 class EmptyPoolWait:
     def __init__(self, wait_s: float) -> None:
-        if not wait_s > 0:
-            raise ValueError(f"--queue-timeout-s must be positive, got {wait_s}")
         self.wait_s = wait_s
         self.waiting = 0
         self.listeners: list[Callable[[], None]] = []
+        self._joined = asyncio.Event()  # set by the one watch below, however many requests wait
+        self._watch: asyncio.Task[None] | None = None
 
     async def wait(self, ready: Callable[[], bool], deadline: float) -> bool:
         """True once `ready()` (a worker serves); False past `wait_s` or `deadline` (monotonic)."""
@@ -38,10 +37,23 @@ class EmptyPoolWait:
         try:
             for listener in self.listeners:
                 listener()
-            while not ready():
-                if time.monotonic() >= until:
-                    return False
-                await asyncio.sleep(POLL_S)
+            if ready():
+                return True
+            if self._watch is None or self._watch.done():
+                self._joined.clear()
+                self._watch = asyncio.create_task(self._look(ready))
+            try:
+                await asyncio.wait_for(self._joined.wait(), max(until - time.monotonic(), 0.0))
+            except TimeoutError:
+                return ready()
             return True
         finally:
             self.waiting -= 1
+
+    async def _look(self, ready: Callable[[], bool]) -> None:
+        """While anyone waits: look at the pool every POLL_S; tell them all at once when it serves."""
+        while self.waiting:
+            if ready():
+                self._joined.set()
+                return
+            await asyncio.sleep(POLL_S)

@@ -7,9 +7,10 @@ does not oscillate); at most ±`max_step` replicas per pool per interval; then t
 budgets, trimmed from the pool with the most to spare. Every limit that changes a number leaves
 a line saying which and by how much.
 
-Scale to zero: a pool whose minimum is 0 goes to 0 only once the deployment has been idle (no
-request arriving, none in flight) for `zero_after_intervals` in a row; until then it keeps at
-least one replica and the rules above apply to the rest.
+Scale to zero: the serving pool (agg, or decode), where its minimum is 0, goes to 0 only once the
+deployment has been idle (no request arriving, none in flight) for `zero_after_intervals` in a
+row; until then it keeps at least one replica and the rules above apply to the rest. (A prefill
+pool with minimum 0 goes to 0 by the rules above: the decode pool then prefills itself.)
 """
 from __future__ import annotations
 
@@ -68,10 +69,11 @@ class Constrainer:
 
     def apply(self, wanted: Mapping[str, int], current: Mapping[str, int],
               need: Mapping[str, float], over_target: Mapping[str, str] | None = None,
-              idle_for: int = 0) -> Constrained:
+              idle_for: Mapping[str, int] | None = None) -> Constrained:
         """`need`: each pool's load in replicas' worth (fractional), for the survivors rule;
         `over_target`: pools whose latency is over its target now (why), which lose no replica;
-        `idle_for`: intervals in a row without a request, for going to zero."""
+        `idle_for`: the pools that go to zero only when idle (the serving one), and how many
+        intervals in a row the deployment has been; the others go to zero by the usual rules."""
         notes: list[str] = []
         out = {role: self._bounds(role, n, notes) for role, n in wanted.items()}
         for role, n in out.items():
@@ -81,8 +83,8 @@ class Constrainer:
                 self.below_for[role] = 0
                 out[role] = current[role]
                 continue
-            if n == 0 and current.get(role, 0) > 0:
-                kept = self._to_zero(role, current[role], idle_for, need.get(role, 0.0), notes)
+            if n == 0 and current.get(role, 0) > 0 and idle_for is not None and role in idle_for:
+                kept = self._to_zero(role, current[role], idle_for[role], need.get(role, 0.0), notes)
                 out[role] = self._step(role, kept, current[role], notes)
                 continue
             out[role] = self._scale_down(role, n, current.get(role, 0), need.get(role, 0.0), notes)

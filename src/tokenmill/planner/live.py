@@ -31,7 +31,7 @@ from tokenmill.planner.decision import Decision
 from tokenmill.planner.metrics import PlannerMetrics
 from tokenmill.planner.observation import Observation
 from tokenmill.planner.planner import Planner
-from tokenmill.planner.prometheus_observer import observe, scrape
+from tokenmill.planner.prometheus_observer import WAITING_FOR_WORKER, observe, scrape
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,9 @@ class LiveDeployment:
 
     async def _plan(self, stop: asyncio.Event) -> None:
         self._last = self._last_fast = scrape(await self._text("/metrics"))
+        if self.planner.may_scale_to_zero and WAITING_FOR_WORKER not in self._last:
+            log.warning("planner: a pool may scale to zero, but the frontend holds no request for a worker "
+                        "(start it with --scale-to-zero): requests to the empty pool will be refused")
         period = self.fast_s or self.interval_s
         next_interval = time.monotonic() + self.interval_s
         while not stop.is_set():
@@ -144,6 +147,8 @@ class LiveDeployment:
                 await self.cold_tick()
             except httpx.HTTPError as exc:
                 log.warning("planner: the deployment did not answer (%s); looking again", exc)
+            except Exception:  # a bug here must not end the watch: requests would wait for the interval
+                log.exception("planner: the cold-start path failed; looking again")
 
     async def _observe(self, before: dict[str, Any], after: dict[str, Any], window_s: float) -> Observation:
         workers = await self.workers()

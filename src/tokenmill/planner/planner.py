@@ -17,6 +17,7 @@ and the constrainer lets it go there once the idleness has lasted (`Limits.zero_
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -25,10 +26,12 @@ from typing import Protocol
 from tokenmill.planner.constrain import Constrainer
 from tokenmill.planner.decision import Action, Decision
 from tokenmill.planner.headroom import ForecastErrors
-from tokenmill.planner.observation import STARTING, Observation
+from tokenmill.planner.observation import SERVING, STARTING, Observation
 from tokenmill.planner.propose import Proposal, Proposer
 
 log = logging.getLogger(__name__)
+
+COLD_RETRY_S = 30.0  # a cold start whose replica is gone again (failed) is tried again after this long
 
 
 class Forecaster(Protocol):
@@ -55,6 +58,9 @@ class Planner:
         self._last_osl: float | None = None
         self._last_forecast: float | None = None
         self._idle_for = 0  # intervals in a row with no request arriving, waiting or streaming
+        self._cold_started_at: float | None = None  # the last cold start, until latency is the pool's again
+        self._cold_serving_at: float | None = None  # ... when its replica was first seen serving
+        self._interval_s = 0.0  # the planning interval, as the last `step` saw it
 
     @property
     def mode(self) -> str:
@@ -66,6 +72,7 @@ class Planner:
         return self.constrainer.limits.minimum(self.proposer.roles[-1]) == 0
 
     def step(self, obs: Observation) -> Decision:
+        self._interval_s = obs.interval_s
         current = {role: obs.count(role) for role in self.proposer.roles}
         decision = Decision(obs.at_s, self.mode, obs, current)
         held = self._missing(obs)
@@ -87,6 +94,8 @@ class Planner:
         replica already starting, gets at once what the window's arrivals need by the performance
         model, and at least one more, within the limits. Only adds: removals keep the interval's
         sustained-low rule. None when no pool is late (or the limits leave nothing to add)."""
+        if self._held_through_cold_start(obs):
+            return None
         late = {role: why for role, why in _late_first_tokens(self, obs).items() if not obs.count(role, STARTING)}
         isl, osl = obs.mean_isl or self._last_isl, obs.mean_osl or self._last_osl or 1.0
         if not late or obs.requests is None or isl is None:  # no prompt length seen yet: nothing to size by
@@ -118,6 +127,8 @@ class Planner:
         waiting = obs.waiting_for_worker or 0
         if not waiting or obs.count(role):
             return None
+        if self._cold_started_at is not None and obs.at_s - self._cold_started_at < COLD_RETRY_S:
+            return None  # the last one was started moments ago and is gone already: no start loop
         current = {r: obs.count(r) for r in self.proposer.roles}
         wanted = current | {role: max(self.constrainer.limits.minimum(role), 1)}
         constrained = self.constrainer.grow(wanted, current)
@@ -128,6 +139,7 @@ class Planner:
         if not decision.actions:
             return None
         self._idle_for = 0
+        self._cold_started_at, self._cold_serving_at = obs.at_s, None
         decision.reason = decision.explain()
         self.decisions.append(decision)
         log.info("planner cold start at %.0f s: %s", obs.at_s, decision.reason)
@@ -159,7 +171,12 @@ class Planner:
                       forecast.peak_prompt_tokens_per_s)
         decision.forecast = {"requests": forecast.requests, "isl": forecast.isl, "osl": forecast.osl,
                              "requests_at_horizon": ahead.requests, "backlog": backlog, "error_margin": margin}
-        proposal = self.proposer.propose(ahead, obs)
+        seen = obs
+        if self._held_through_cold_start(obs):  # their first tokens timed the start-up, not the pool
+            seen = dataclasses.replace(obs, ttft_p50_s=None, ttft_p90_s=None, queue_time_s=None)
+        proposal = self.proposer.propose(ahead, seen)
+        if seen is not obs:
+            proposal.reasons.append(f"{self.proposer.roles[0]}: TTFT not used: requests waited through a cold start")
         self._idle_for = self._idle_for + 1 if _idle(obs) else 0
         if self._idle_for:
             self._want_zero(proposal)
@@ -169,7 +186,7 @@ class Planner:
             proposal.reasons.append(f"{self.proposer.roles[0]}: +{margin:.0f} requests for the forecast's recent "
                                     f"errors (their {self.errors.quantile:.0%} quantile)")
         constrained = self.constrainer.apply(proposal.replicas, decision.current, _need(proposal),
-                                             _over_target_of(self, obs), self._idle_for)
+                                             _over_target_of(self, seen), {self.proposer.roles[-1]: self._idle_for})
         decision.proposed = dict(proposal.replicas)
         decision.target = constrained.replicas
         decision.proposal_reasons = proposal.reasons
@@ -180,11 +197,27 @@ class Planner:
                             for role, n in sorted(constrained.replicas.items()) if n != decision.current.get(role, 0)]
 
     def _want_zero(self, proposal: Proposal) -> None:
-        """Idle: the pools whose minimum is 0 want none (the constrainer waits for it to last)."""
-        for role in proposal.replicas:
-            if self.constrainer.limits.minimum(role) == 0:
-                proposal.replicas[role] = 0
-                proposal.reasons.insert(0, f"{role}: idle for {self._idle_for} interval(s), minimum 0: 0 wanted")
+        """Idle: the serving pool, if its minimum is 0, wants none (the constrainer waits for it to
+        last). A prefill pool needs no idleness for 0: the decode pool then prefills itself."""
+        role = self.proposer.roles[-1]
+        if self.constrainer.limits.minimum(role) == 0:
+            proposal.replicas[role] = 0
+            proposal.reasons.insert(0, f"{role}: idle for {self._idle_for} interval(s), minimum 0: 0 wanted")
+
+    def _held_through_cold_start(self, obs: Observation) -> bool:
+        """Whether `obs`'s latency may still be that of the requests held through the last cold
+        start (their TTFT is the start-up's, and the backlog they make drains after it): from the
+        cold start until a window that began a planning interval after its replica was seen serving."""
+        if self._cold_started_at is None:
+            return False
+        if self._cold_serving_at is None:
+            if obs.count(self.proposer.roles[-1], SERVING):
+                self._cold_serving_at = obs.at_s
+            return True
+        if obs.at_s - obs.interval_s < self._cold_serving_at + self._interval_s:
+            return True
+        self._cold_started_at = self._cold_serving_at = None
+        return False
 
 
 def _idle(obs: Observation) -> bool:

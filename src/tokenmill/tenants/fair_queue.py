@@ -169,12 +169,19 @@ class FairQueue:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        for granted, slot in self.share.grant():
-            granted.set_result(slot)
+        given_back = True
+        while given_back:
+            given_back = False
+            for granted, slot in self.share.grant():
+                if granted.done():  # its waiter gave up (cancelled) and has not yet left the queue
+                    self.share.release(slot)
+                    given_back = True
+                else:
+                    granted.set_result(slot)
 
     def _leave(self, tenant: Tenant, granted: asyncio.Future[Slot]) -> None:
         if granted.done() and not granted.cancelled():
             self.release(granted.result())  # granted as it gave up: nothing used
             return
         granted.cancel()
-        self.share.withdraw(tenant, granted)
+        self.share.withdraw(tenant, granted)  # (already out if a release gave its slot back meanwhile)

@@ -194,7 +194,7 @@ class WorkerServer:
                 "queried_tokens": stats.queried_tokens, "device_hit_tokens": stats.device_hit_tokens,
                 "num_held": stats.num_held, "num_importing": stats.num_importing,
                 "spec_draft_tokens": stats.spec_draft_tokens, "spec_accepted_tokens": stats.spec_accepted_tokens,
-                "busy_seconds": stats.busy_seconds,
+                **({"busy_seconds": stats.busy_seconds} if stats.busy_seconds else {}),  # (vLLM's steps are untimed)
                 "num_free_blocks": stats.num_free_blocks, "num_blocks": stats.num_blocks,
                 **(self.transfer.load() if self.transfer is not None else {}),
                 **_tier_load(stats.tier_stats),
