@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.serving.browser import dashboard_page
 from tests.serving.conftest import Server, start_server, stop_server
 from tokenmill.api.dashboard.figures import snapshot, window
 
@@ -203,48 +204,33 @@ def test_the_page_in_a_real_browser_follows_the_toggles(server: Server, tmp_path
     """Debian's chromium driven by Playwright: no console errors; the charts fill once the trial
     scenario starts; with the managed cache off the host tier's hits fall to zero and more prefill
     is computed, on again they return; disaggregation on shows prefill and decode workers."""
-    import shutil
-
-    from playwright.sync_api import sync_playwright
-
-    chromium = shutil.which("chromium")
-    assert chromium, "chromium is not installed: scripts/system-packages.sh installs it"
-    errors: list[str] = []
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(server.url + "/dashboard")
-            page.fill("#key", KEY)
-            assert not page.is_visible("#tenants-box")  # no --tenants: no table, and no request for one
-            page.dispatch_event("#key", "change")
-            page.eval_on_selector("#rate-trial", "el => { el.value = '3'; }")
-            page.click("#scenario-trial")
-            _wait_page(page, "tokens flowing", lambda p: p["output_tokens_per_s"] > 0)
-            first = _wait_page(page, "host-tier hits", lambda p: (p["hit_rate"] or {}).get("host", 0) > 0)
-            # compared with a window wholly in the warm state (the opening one computes every corpus)
-            on = _wait_page(page, "a warm window with host-tier hits",
-                            lambda p: p["t"] - p["window_s"] > first["t"] and (p["hit_rate"] or {}).get("host", 0) > 0)
-            page.click("#toggle-managed_cache")
-            clicked = time.time()
-            off = _wait_page(page, "no host-tier hits a window after the cache went off",
-                             lambda p: p["t"] - p["window_s"] > clicked + 1 and p["hit_rate"] is not None)
-            assert off["hit_rate"]["host"] == 0.0
-            assert off["prefill_computed_tokens"] / max(off["prompt_tokens_looked_up"], 1) > \
-                on["prefill_computed_tokens"] / max(on["prompt_tokens_looked_up"], 1)
-            assert page.inner_text("#toggle-managed_cache").endswith("off")
-            page.click("#toggle-managed_cache")
-            _wait_page(page, "host-tier hits again", lambda p: (p["hit_rate"] or {}).get("host", 0) > 0)
-            page.click("#toggle-disaggregation")
-            page.wait_for_function("() => document.getElementById('workers').textContent.includes('prefill 1')"
-                                   " && document.getElementById('workers').textContent.includes('decode 1')",
-                                   timeout=90_000)
-            assert page.evaluate("() => markers.map(m => m.label)")[-1].startswith("disaggregation on")
-            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-            page.click("#scenario-trial")  # stop
-        finally:
-            browser.close()
+    with dashboard_page(server.url, viewport={"width": 1400, "height": 1000}) as (page, errors):
+        page.fill("#key", KEY)
+        assert not page.is_visible("#tenants-box")  # no --tenants: no table, and no request for one
+        page.dispatch_event("#key", "change")
+        page.eval_on_selector("#rate-trial", "el => { el.value = '3'; }")
+        page.click("#scenario-trial")
+        _wait_page(page, "tokens flowing", lambda p: p["output_tokens_per_s"] > 0)
+        first = _wait_page(page, "host-tier hits", lambda p: (p["hit_rate"] or {}).get("host", 0) > 0)
+        # compared with a window wholly in the warm state (the opening one computes every corpus)
+        on = _wait_page(page, "a warm window with host-tier hits",
+                        lambda p: p["t"] - p["window_s"] > first["t"] and (p["hit_rate"] or {}).get("host", 0) > 0)
+        page.click("#toggle-managed_cache")
+        clicked = time.time()
+        off = _wait_page(page, "no host-tier hits a window after the cache went off",
+                         lambda p: p["t"] - p["window_s"] > clicked + 1 and p["hit_rate"] is not None)
+        assert off["hit_rate"]["host"] == 0.0
+        assert off["prefill_computed_tokens"] / max(off["prompt_tokens_looked_up"], 1) > \
+            on["prefill_computed_tokens"] / max(on["prompt_tokens_looked_up"], 1)
+        assert page.inner_text("#toggle-managed_cache").endswith("off")
+        page.click("#toggle-managed_cache")
+        _wait_page(page, "host-tier hits again", lambda p: (p["hit_rate"] or {}).get("host", 0) > 0)
+        page.click("#toggle-disaggregation")
+        page.wait_for_function("() => document.getElementById('workers').textContent.includes('prefill 1')"
+                               " && document.getElementById('workers').textContent.includes('decode 1')",
+                               timeout=90_000)
+        assert page.evaluate("() => markers.map(m => m.label)")[-1].startswith("disaggregation on")
+        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        page.click("#scenario-trial")  # stop
     assert not errors, errors
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000

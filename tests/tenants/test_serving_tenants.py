@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.serving.browser import dashboard_page
 from tests.serving.conftest import Server, start_server, stop_server
 from tests.serving.probes import metric
 from tokenmill.api.launch import add_frontend_flags, tenants_from
@@ -116,29 +118,14 @@ def test_the_dashboard_shows_each_tenants_use_as_admin_tenants_says(server: Serv
     """Debian's chromium driven by Playwright: the tenants table has a row per tenant whose figures
     are the ones `/admin/tenants` gives (after the requests of the test above, if it ran), and no
     console errors."""
-    import shutil
-
-    from playwright.sync_api import sync_playwright
-
     assert _complete(server, "k-assistant", [7, 8, 9], 3).status_code == 200  # some use to show
     rows = {row["name"]: row for row in
             httpx.get(server.url + "/admin/tenants", timeout=10, trust_env=False).json()["data"]}
-    chromium = shutil.which("chromium")
-    assert chromium, "chromium is not installed: scripts/system-packages.sh installs it"
-    errors: list[str] = []
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        try:
-            page = browser.new_page()
-            page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(server.url + "/dashboard")
-            page.wait_for_selector("#tenants tr[data-tenant='trickle']", timeout=60_000)
-            cells = page.evaluate("() => Object.fromEntries([...document.querySelectorAll('#tenants tr')].map("
-                                  "tr => [tr.dataset.tenant, [...tr.children].map(td => td.textContent)]))")
-            visible = page.is_visible("#tenants-box")
-        finally:
-            browser.close()
+    with dashboard_page(server.url) as (page, errors):
+        page.wait_for_selector("#tenants tr[data-tenant='trickle']", timeout=60_000)
+        cells = page.evaluate("() => Object.fromEntries([...document.querySelectorAll('#tenants tr')].map("
+                              "tr => [tr.dataset.tenant, [...tr.children].map(td => td.textContent)]))")
+        visible = page.is_visible("#tenants-box")
     assert not errors, errors
     assert visible and sorted(cells) == sorted(rows)
     for name, row in rows.items():
@@ -166,6 +153,18 @@ def test_a_global_api_key_beside_tenants_is_refused_naming_it(tmp_path: Path) ->
     with pytest.raises(ValueError, match=r"^--api-key \(or \$TOKENMILL_API_KEY\): with --tenants"):
         tenants_from(parser.parse_args(["--tenants", str(tmp_path / "t.toml"), "--api-key", "secret"]))
     assert tenants_from(parser.parse_args(["--tenants", str(tmp_path / "t.toml")])).tenants[0].name == "a"
+
+
+@asynccontextmanager
+async def _holding_the_slot(client: httpx.AsyncClient, key: str) -> AsyncIterator[None]:
+    """A stream far longer than any test (15 s of steps) holds the fleet's one slot until the block
+    is left (its generation then cancelled, the slot freed)."""
+    body = {"model": "tiny", "prompt": [9, 10], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as stream:
+        lines = stream.aiter_lines()
+        while not (await anext(lines)).startswith("data:"):  # the one slot is taken
+            pass
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -197,13 +196,7 @@ def test_a_saturated_fleet_lets_a_waiting_interactive_request_in_before_waiting_
                     await asyncio.sleep(0.05)
                 raise AssertionError(f"the queue never reached the expected state: {waiting()}")
 
-            # a stream far longer than the test (15 s of steps) holds the one slot until we leave it
-            body = {"model": "tiny", "prompt": [9, 10], "max_tokens": 1500, "ignore_eos": True, "stream": True}
-            async with client.stream("POST", "/v1/completions", json=body,
-                                     headers={"Authorization": "Bearer k-sweeps"}) as stream:
-                lines = stream.aiter_lines()
-                while not (await anext(lines)).startswith("data:"):  # the one slot is taken
-                    pass
+            async with _holding_the_slot(client, "k-sweeps"):
                 batch = [asyncio.create_task(one("k-sweeps", f"sweeps-{i}", 20)) for i in range(4)]
                 await until(lambda w: w["sweeps"] == 4)
                 interactive = asyncio.create_task(one("k-assistant", "assistant", 5))
@@ -269,12 +262,7 @@ def test_backlogged_tenants_are_served_tokens_by_weight_whatever_they_send(
                 assert r.status_code == 200, r.text
                 done.append(name)
 
-            body = {"model": "tiny", "prompt": [9, 10], "max_tokens": 1500, "ignore_eos": True, "stream": True}
-            async with client.stream("POST", "/v1/completions", json=body,
-                                     headers={"Authorization": "Bearer k-holder"}) as stream:
-                lines = stream.aiter_lines()
-                while not (await anext(lines)).startswith("data:"):  # the one slot is taken
-                    pass
+            async with _holding_the_slot(client, "k-holder"):
                 tasks = [asyncio.create_task(one(name)) for name, n in zip(tenants, counts, strict=True)
                          for _ in range(n)]
                 for _ in range(600):
