@@ -31,10 +31,12 @@ from tokenmill.textgen.detokenizer import IncrementalDetokenizer
 from tokenmill.textgen.tokenizer import Tokenizer
 
 MAX_TOKENS = 24
-KILL_TOKENS = 600  # long enough that the stream is still generating when its 8th chunk is read
+KILL_TOKENS = 600  # long enough that the stream is still generating when its first chunk is read
 # vLLM generates the small model's tokens faster than a client starved by a busy host may read them:
-# killed after the 40th chunk, the worker had once sent all 600 already and nothing migrated
-KILL_AFTER_CHUNKS = 8
+# killed after the 40th chunk, and once after the 8th, the worker had sent all 600 already and nothing
+# migrated. So the kill comes at the first chunk, and both workers are stopped (SIGSTOP) at once
+# while the test finds the stream's one, so that it cannot finish meanwhile.
+KILL_AFTER_CHUNKS = 1
 MESSAGES = [{"role": "user", "content": "Tell me about Elizabeth and Mr Darcy."}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "count"],
           "properties": {"city": {"enum": ["Paris", "Lyon", "Nice"]},
@@ -239,11 +241,20 @@ def test_a_killed_vllm_worker_stream_finishes_on_the_other_worker(vllm_deploymen
         # all its tokens within the half second a heartbeat takes, and a worker killed then has
         # nothing left to migrate
         pids = {w["worker_id"]: int(w["pid"]) for w in server.registry()}
-        [busy] = [w for w in pids if metric(server.url, "tokenmill_router_worker_load_blocks", worker=w) > 0]
-        pid = pids[busy]
-        engine_core, scratch = _children(pid), _scratch_of(pid)
-        environs = [_environ(p) for p in (pid, *engine_core)]
-        os.kill(pid, signal.SIGKILL)
+        for each in pids.values():
+            os.kill(each, signal.SIGSTOP)  # nothing reaches the frontend while the stream's worker is found
+        killed = None
+        try:
+            [busy] = [w for w in pids if metric(server.url, "tokenmill_router_worker_load_blocks", worker=w) > 0]
+            pid = pids[busy]
+            engine_core, scratch = _children(pid), _scratch_of(pid)
+            environs = [_environ(p) for p in (pid, *engine_core)]
+            os.kill(pid, signal.SIGKILL)
+            killed = pid
+        finally:
+            for each in pids.values():
+                if each != killed:
+                    os.kill(each, signal.SIGCONT)
         return pid, engine_core, scratch, environs
 
     migrations = metric(server.url, "tokenmill_request_migrations_total")

@@ -17,13 +17,14 @@ def test_the_served_metrics_have_their_true_types(two_worker_server: Server) -> 
     for i in range(3):
         body = {"model": "tiny", "prompt": [5, 6, 7, 8 + i], "max_tokens": 2}
         assert httpx.post(two_worker_server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    # each worker's steps' time from its start, once a heartbeat after its steps has come
+    wait(lambda: metric(two_worker_server.url, "tokenmill_worker_busy_seconds_total") > 0, "a heartbeat with the steps")
     text = httpx.get(two_worker_server.url + "/metrics", timeout=10).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert families["tokenmill_router_decisions"].type == "counter"
     assert families["tokenmill_request_migrations"].type == "counter"
     assert families["tokenmill_worker_kv_usage"].type == "gauge"
-    assert families["tokenmill_worker_busy_seconds"].type == "counter"  # each worker's steps' time from its start
-    wait(lambda: metric(two_worker_server.url, "tokenmill_worker_busy_seconds_total") > 0, "a heartbeat with the steps")
+    assert families["tokenmill_worker_busy_seconds"].type == "counter"
     latency = families["tokenmill_router_decision_latency_seconds"]
     assert latency.type == "histogram"
     buckets = [(float(s.labels["le"]), s.value) for s in latency.samples if s.name.endswith("_bucket")]
