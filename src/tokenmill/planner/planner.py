@@ -11,9 +11,10 @@ The same object runs against a live deployment (a connector reads `/metrics` and
 either itself. Invariants: a pool with missing metrics is held, not planned on zeros; an
 interval with no arrivals is zero traffic (the pools go to their minimums, after the
 sustained-low rule); replicas counted as present are the serving and starting ones, so a
-replica that never became healthy is not counted (its connector reports it failed). A pool
-whose minimum is 0 is wanted at 0 while the deployment is idle (no arrivals, nothing in flight),
-and the constrainer lets it go there once the idleness has lasted (`Limits.zero_after_intervals`).
+replica that never became healthy is not counted (its connector reports it failed). The
+serving pool, where its minimum is 0, is wanted at 0 while the deployment is idle (no arrivals,
+nothing in flight), and the constrainer lets it go there once the idleness has lasted
+(`Limits.zero_after_intervals`).
 """
 from __future__ import annotations
 
