@@ -13,11 +13,8 @@ that gives up (or whose client leaves) has no KV to free.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
-
-log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often the pool is looked at while requests wait (discovery is polled faster then)
 

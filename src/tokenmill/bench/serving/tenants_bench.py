@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--interactive-output-tokens", type=int, default=32)
     parser.add_argument("--batch-output-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=1, help="flood runs per mode, the modes alternating")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each mode, the three in turn")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="deadline of each request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", metavar="OUT", help="write results here")
