@@ -7,6 +7,7 @@ silently ignoring them would return something the client did not ask for.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -63,7 +64,9 @@ def reject_unsupported(body: SamplingFields) -> None:
 
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
                     aliases: dict[str, str], grammar: str | None = None) -> SamplingParams:
-    """The engine's parameters; `grammar` (a forced tool call's) wins over `response_format`'s."""
+    """The engine's parameters; `grammar` (a forced tool call's) wins over `response_format`'s.
+    A request without a seed is given one here, and the response returns it (`seed`): sampling
+    depends only on the seed, the token's index and the logits, so any answer can be replayed."""
     if body.temperature is not None and not 0.0 <= body.temperature <= MAX_TEMPERATURE:
         raise invalid_param("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g}, "
                                            f"got {body.temperature}")
@@ -73,7 +76,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
-            seed=body.seed,
+            seed=secrets.randbits(63) if body.seed is None else body.seed,
             stop=body.stop or [],
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,

@@ -92,8 +92,8 @@ class ChatChunks(ChunkWriter):
                           finish_reason=self._finish_reason(outputs[-1]))
 
     def response(self, choices: list[ChatChoice], usage: Usage) -> ChatCompletionResponse:  # type: ignore[override]
-        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                                      usage=usage)
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, seed=self.seed,
+                                      choices=choices, usage=usage)
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response | SSEResponse:
@@ -113,6 +113,6 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 
     def writer(index: int) -> ChatChunks:
         return ChatChunks(request_id, ctx.served_model_name, ctx.backend.tokenizer, logprobs is not None, index,
-                          calling=calling)
+                          params.seed, calling=calling)
 
     return await serve(ctx, request, body, [prompt], params, aliases, n, writer)

@@ -27,8 +27,8 @@ from tokenmill.textgen.tokenizer import Tokenizer
 
 class CompletionChunks(ChunkWriter):
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool,
-                 index: int = 0) -> None:
-        super().__init__(request_id, model, tokenizer, want_logprobs, index)
+                 index: int = 0, seed: int | None = None) -> None:
+        super().__init__(request_id, model, tokenizer, want_logprobs, index, seed)
         self.logprobs = CompletionLogprobsWriter(tokenizer)
 
     def for_delta(self, out: RequestOutput) -> list[dict[str, Any]]:
@@ -50,8 +50,8 @@ class CompletionChunks(ChunkWriter):
                                 finish_reason=api_finish_reason(outputs[-1].finish_reason))
 
     def response(self, choices: list[CompletionChoice], usage: Usage) -> CompletionResponse:  # type: ignore[override]
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                                  usage=usage)
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, seed=self.seed,
+                                  choices=choices, usage=usage)
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response | SSEResponse:
@@ -66,6 +66,6 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response |
 
     def writer(index: int) -> CompletionChunks:
         return CompletionChunks(request_id, ctx.served_model_name, ctx.backend.tokenizer, logprobs is not None,
-                                index)
+                                index, params.seed)
 
     return await serve(ctx, request, body, prompts, params, {}, n, writer)

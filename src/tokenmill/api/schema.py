@@ -112,6 +112,7 @@ class _Envelope(BaseModel):
     created: int
     model: str
     system_fingerprint: str | None = None
+    seed: int | None = None  # the request's sampling seed (drawn when the request gave none)
 
 
 class CompletionResponse(_Envelope):

@@ -48,8 +48,9 @@ class ChunkWriter:
     A request with several choices (n > 1, several prompts) has a writer per choice, `index` apart."""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, want_logprobs: bool,
-                 index: int = 0) -> None:
+                 index: int = 0, seed: int | None = None) -> None:
         self.request_id = request_id
+        self.seed = seed  # the request's sampling seed, returned so that the answer can be replayed
         self.model = model
         self.created = int(time.time())
         self.tokenizer = tokenizer
@@ -78,7 +79,7 @@ class ChunkWriter:
     def envelope(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         """The fields every chunk opens with, in OpenAI's order (`schema._Envelope`)."""
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": None, "choices": choices, "usage": usage}
+                "system_fingerprint": None, "seed": self.seed, "choices": choices, "usage": usage}
 
     def skips(self, out: RequestOutput) -> bool:
         """A delta with nothing to show: its text is held back (a partial character, a possible stop string)."""

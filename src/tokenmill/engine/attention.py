@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tokenmill.engine import kernels
 from tokenmill.engine.huge_pages import empty_huge
-from tokenmill.engine.kernels.prefill_attention import prefill_attention
+from tokenmill.engine.kernels.prefill_attention import SpanTable, prefill_attention_batch
 
 
 @dataclass(slots=True)
@@ -45,6 +45,12 @@ class AttentionBatch:
     spans: list[SeqSpan]  # sequences with several queries, or single ones without the decode kernel
     decode: DecodeBatch | None = None
     native_prefill: bool = False  # spans go through the flash-style kernel, not PyTorch's attention
+    span_table: SpanTable | None = None  # the spans in that kernel's form: made at the first layer
+
+    def native_spans(self) -> SpanTable:
+        if self.span_table is None:
+            self.span_table = SpanTable.of(self.spans)
+        return self.span_table
 
 
 def allocate_kv_cache(
@@ -72,14 +78,15 @@ def paged_attention(
     d = batch.decode
     if d is not None and not batch.spans and d.rows.numel() == tokens:  # rows 0..tokens-1: no gather
         return _decode_attention(q, kv_layer, d, scale).view(tokens, heads * dim)
-    out = q.new_empty(tokens, heads, dim)
+    native_spans = batch.native_prefill and q.is_cpu and bool(batch.spans)
+    if native_spans:  # every span in one call; the decode rows are filled in below
+        out = prefill_attention_batch(q, kv_layer[0], kv_layer[1], batch.native_spans(), scale).to(q.dtype)
+    else:
+        out = q.new_empty(tokens, heads, dim)
     if d is not None:
         out.index_copy_(0, d.rows, _decode_attention(q.index_select(0, d.rows), kv_layer, d, scale))
-    for span in batch.spans:
+    for span in [] if native_spans else batch.spans:
         rows = slice(span.query_start, span.query_start + span.query_len)
-        if batch.native_prefill and q.is_cpu:
-            out[rows] = prefill_attention(q[rows], kv_layer[0], kv_layer[1], span.block_ids, span.context_len, scale)
-            continue
         k, v = _gather_context(kv_layer, span)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, qlen, dim]
         if span.query_len == span.context_len and span.query_len > 1:

@@ -51,6 +51,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "GPU), auto (cuda when torch sees one)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on a GPU, launch every decode step op by op instead of replaying CUDA graphs of it")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels (CPU): a request's logits, and so its seeded tokens, are the same "
+                        "bits whatever else shares its steps, whether its prefix was cached, recomputed or "
+                        "pulled from another worker, and at any --max-num-batched-tokens")
     g.add_argument("--speculative", default=None, metavar="ngram|draft:DIR",
                    help="speculative decoding: 'ngram' drafts the tokens that followed the latest earlier "
                         "occurrence of the sequence's last 1-3 tokens (prompt lookup; no extra model); "
@@ -89,7 +93,7 @@ def engine_config_from_args(args: argparse.Namespace, worker_id: str = "worker-0
         kv_shared=args.kv_shared, kv_shared_gb=args.kv_shared_gb, kv_write_through=args.kv_write_through,
         kv_pin_file=args.kv_pin_file,
         speculative=SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens), device=args.device,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, deterministic=args.deterministic,
     )
     if config.tp != 1 or config.ep != 1 or config.attention_dp != 1:
         from tokenmill.engine.parallel.shard import check_layout
@@ -149,4 +153,6 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         argv.append("--kv-write-through")
     if args.enforce_eager:
         argv.append("--enforce-eager")
+    if args.deterministic:
+        argv.append("--deterministic")
     return argv

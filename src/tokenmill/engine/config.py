@@ -64,6 +64,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # draft tokens each decode step verifies (torch runner)
     device: str = "cpu"  # the torch runner's: cpu or cuda (auto is resolved to one of them here)
     enforce_eager: bool = False  # on a GPU, no CUDA graphs: every decode step launched op by op
+    # batch-invariant kernels: a request's logits are the same bits whatever else is in its steps
+    deterministic: bool = False
 
     @property
     def rank_threads(self) -> int | None:
@@ -104,6 +106,9 @@ class EngineConfig:
             return
         if self.runner != "torch":
             raise ValueError(f"--device {self.device}: the mock runner computes nothing; use --device cpu")
+        if self.deterministic:
+            raise ValueError(f"--device {self.device}: --deterministic needs the native CPU kernels; "
+                             "PyTorch's GPU kernels change their reductions with the batch")
         if self.tp != 1 or self.ep != 1 or self.attention_dp != 1:
             raise ValueError(f"--device {self.device}: --tp, --ep and --attention-dp run on the CPU only for now")
         if self.kv_tiers_enabled:

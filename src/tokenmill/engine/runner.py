@@ -40,11 +40,14 @@ class StepPart:
 class TorchModelRunner:
     def __init__(self, model: CausalLM, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, seed: int = 0, kv_allocator: KVAllocator | None = None,
-                 device: str = "cpu", graphs: GraphShapes | None = None) -> None:
+                 device: str = "cpu", graphs: GraphShapes | None = None, batch_invariant: bool = False) -> None:
         """On a `device` other than the CPU the model and the KV pool live there and the forward
         pass takes PyTorch's own ops (the native kernels are CPU code); steps are prepared and
         sampled on the host. With `graphs`, decode steps replay captured graphs (`DecodeGraphs`),
-        and the pool holds one scratch block past `num_blocks` for their padding rows."""
+        and the pool holds one scratch block past `num_blocks` for their padding rows.
+        `batch_invariant` (a model loaded so, on the CPU): decodes attend through the prefill
+        kernel, so that a position's row is the same bits in a decode step as in a prompt chunk
+        (a preempted request's recompute, a prefix computed by another worker)."""
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -59,11 +62,14 @@ class TorchModelRunner:
         self.vocab_size = cfg.vocab_size
         self.mask_computer: MaskComputer | None = None  # structured outputs' masks, beside the forward pass
         on_cpu = self.device.type == "cpu" and graphs is None
-        self.native_decode = on_cpu and dtype in (torch.float32, torch.bfloat16) \
+        self.native_prefill = self.device.type == "cpu" and prefill_attention.supported(dtype, cfg.head_dim)
+        if batch_invariant and not (on_cpu and self.native_prefill):
+            raise ValueError("--deterministic needs the native CPU kernels (a C compiler, AVX2 and FMA, head_dim a "
+                             f"multiple of 16); they do not run here for {dtype} on {device}")
+        self.native_decode = on_cpu and dtype in (torch.float32, torch.bfloat16) and not batch_invariant \
             and cfg.head_dim <= kernels.MAX_HEAD_DIM and kernels.available()
         # decodes in the row form, through PyTorch's ops: one batched call, not a span per sequence
         self.row_decode = not on_cpu
-        self.native_prefill = self.device.type == "cpu" and prefill_attention.supported(dtype, cfg.head_dim)
         self.graphs = None if graphs is None else DecodeGraphs(self.forward, graphs, num_blocks, block_size,
                                                                cfg.vocab_size, device)
 

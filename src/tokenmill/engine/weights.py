@@ -71,9 +71,11 @@ def iter_tensors(files: list[Path], index: Callable[[str], Index] | None = None,
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
-               shard: Shard | None = None, device: str = "cpu") -> CausalLM:
+               shard: Shard | None = None, device: str = "cpu", batch_invariant: bool = False) -> CausalLM:
     """The whole model, or with `shard` one rank's part of it (reading only that part), read into
-    host memory and then moved to `device` (packed for the native kernels on the CPU only)."""
+    host memory and then moved to `device` (packed for the native kernels on the CPU only).
+    `batch_invariant`: every matmul takes the native kernels whatever its rows (see
+    `NativeLinear`), so that a row's result never depends on the rows beside it."""
     local = cfg if shard is None else shard.local_config(cfg)
     with torch.device("meta"):
         model = CausalLM(local, None if shard is None else shard.experts)
@@ -107,7 +109,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
     if missing:
         raise CheckpointError(f"{model_dir}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     if device == "cpu":
-        prepack_weights(model)
+        prepack_weights(model, batch_invariant)
         return model.eval()
     return model.to(device).eval()
 
@@ -197,9 +199,10 @@ def _layer_destination(rest: str, p: str, params: dict[str, torch.nn.Parameter],
     return params.get(p + rest)
 
 
-def prepack_weights(model: nn.Module) -> None:
+def prepack_weights(model: nn.Module, batch_invariant: bool = False) -> None:
     """Pack every MoE layer's expert weights and every native linear's weight (a no-op where
     packing does not apply); after the weights are loaded, so that no request pays for it."""
     for module in model.modules():
         if isinstance(module, (SparseMoE, NativeLinear)):
+            module.batch_invariant = batch_invariant
             module.prepack()

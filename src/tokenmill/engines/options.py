@@ -61,6 +61,9 @@ def check_engine_selection(args: argparse.Namespace) -> None:
     if getattr(args, "enforce_eager", False):
         raise ValueError("--enforce-eager: the own engine's flag; give vLLM its own after a bare -- "
                          "(-- --enforce-eager) or as --engine-arg enforce_eager=true")
+    if getattr(args, "deterministic", False):
+        raise ValueError("--deterministic: the own engine's batch-invariant kernels; vLLM has its own "
+                         "(VLLM_BATCH_INVARIANT=1 on the GPUs that support it)")
     if getattr(args, "speculative", None) is not None:
         raise ValueError("--speculative: tokenmill's drafting is the own engine's; a vLLM worker speculates "
                          "with vLLM's own option (-- --speculative-config '{\"method\": \"ngram\", ...}')")

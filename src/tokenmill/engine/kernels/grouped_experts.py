@@ -44,11 +44,12 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in DTYPES and _library() is not None
 
 
-def use_native(x: torch.Tensor, weight_dtype: torch.dtype, rows: int) -> bool:
-    """Whether a CPU inference call of `rows` rows should take these kernels (see NATIVE_MAX_ROWS)."""
+def use_native(x: torch.Tensor, weight_dtype: torch.dtype, rows: int, every_size: bool = False) -> bool:
+    """Whether a CPU inference call of `rows` rows should take these kernels (see NATIVE_MAX_ROWS);
+    `every_size`: whenever they can, for their results that do not depend on the rows."""
     if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != weight_dtype or not available(x.dtype):
         return False
-    return rows <= NATIVE_MAX_ROWS or (x.dtype == torch.bfloat16 and not bf16_packing_available())
+    return every_size or rows <= NATIVE_MAX_ROWS or (x.dtype == torch.bfloat16 and not bf16_packing_available())
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

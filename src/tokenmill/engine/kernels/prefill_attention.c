@@ -4,6 +4,11 @@
  *
  *   tm_prefill_attention_{bf16,f32}(q [Q, H, D], k, v [blocks, BS, KVH, D], table [blocks] i64,
  *                                   out [Q, H, D] f32, context_len, Q, H, KVH, D, BS, scale, threads)
+ *   tm_prefill_attention_batch_{bf16,f32}(q [N, H, D], k, v, tables [S, W] i64, q_starts [S] i64,
+ *                                         q_lens [S] i64, context_lens [S] i64, out [N, H, D] f32,
+ *                                         S, W, H, KVH, D, BS, scale, threads)
+ *       the same for S sequences at once, sequence s's queries being rows q_starts[s].. of q and out
+ *       (rows of no sequence are left as they are).
  * Query i sits at position context_len - Q + i and sees keys 0..that position. Returns 0, -1
  * when scratch memory could not be allocated, -2 when this build or shape has no kernel
  * (AVX2+FMA and D a multiple of 16 up to 256 are required: the caller keeps its PyTorch path).
@@ -13,6 +18,10 @@
  * masking skips whole key chunks per 6-row tile. For every 64-key chunk a task widens K
  * (transposed) and V to fp32 once, then per tile: scores in registers (6 rows x 16 keys),
  * an online softmax (running max and sum per row), and P.V into the tile's fp32 output.
+ * A row's result is the same bits wherever it is computed: its tile's other rows, the query
+ * rows before it and the sequences beside it change nothing in its sums, key chunks start at
+ * absolute positions (multiples of 64), and a chunk past its own position adds exact zeros. So a
+ * decode through this kernel equals the same row computed in a prompt chunk.
  */
 #include <math.h>
 #include <stdint.h>
@@ -227,20 +236,68 @@ static void run_task(void *ctx, int task) {
     if (run_rows(jb, kh, r0, r1)) atomic_store(&jb->failed, 1);
 }
 
+/* Splits the job's rows into blocks of whole tiles: small enough to stay in L2, and enough of
+ * them for every thread when the heads alone are too few. */
+static void plan_row_blocks(struct job *jb, int threads) {
+    const int rows = jb->qlen * (jb->H / jb->KVH);
+    int per_block = ROW_BLOCK_BYTES / (int)(2 * sizeof(float) * jb->D) / MR * MR;
+    while (per_block > MR && (int64_t)jb->KVH * ((rows + per_block - 1) / per_block) < threads) per_block -= MR;
+    jb->rows_per_block = per_block;
+    jb->blocks_per_head = (rows + per_block - 1) / per_block;
+}
+
 static int prefill(const void *q, const void *k, const void *v, const int64_t *table, float *out,
                    int64_t context_len, int qlen, int H, int KVH, int D, int BS, float scale, int threads, int bf16) {
     if (D % 16 || D > MAX_D || KVH <= 0 || H % KVH || qlen <= 0 || context_len < qlen) return -2;
     struct job jb = {.q = q, .k = k, .v = v, .table = table, .out = out, .context_len = context_len,
                      .qlen = qlen, .H = H, .KVH = KVH, .D = D, .BS = BS, .bf16 = bf16, .scale = scale};
     atomic_init(&jb.failed, 0);
-    const int rows = qlen * (H / KVH);
-    int per_block = ROW_BLOCK_BYTES / (int)(2 * sizeof(float) * D) / MR * MR;
-    /* enough tasks for every thread, when the heads alone are too few */
-    while (per_block > MR && (int64_t)KVH * ((rows + per_block - 1) / per_block) < threads) per_block -= MR;
-    jb.rows_per_block = per_block;
-    jb.blocks_per_head = (rows + per_block - 1) / per_block;
+    plan_row_blocks(&jb, threads);
     parallel_for(run_task, &jb, KVH * jb.blocks_per_head, threads < 1 ? 1 : threads);
     return atomic_load(&jb.failed) ? -1 : 0;
+}
+
+/* Several sequences in one call: each its own job, their tasks shared out together. */
+struct batch {
+    struct job *jobs;
+    int *task_job, *task_of_job;
+};
+
+static void run_batch_task(void *ctx, int task) {
+    const struct batch *b = ctx;
+    run_task(&b->jobs[b->task_job[task]], b->task_of_job[task]);
+}
+
+static int prefill_batch(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *q_starts,
+                         const int64_t *q_lens, const int64_t *context_lens, float *out, int S, int W, int H,
+                         int KVH, int D, int BS, float scale, int threads, int bf16) {
+    if (D % 16 || D > MAX_D || KVH <= 0 || H % KVH || S <= 0) return -2;
+    for (int s = 0; s < S; s++)
+        if (q_lens[s] <= 0 || context_lens[s] < q_lens[s] || context_lens[s] > (int64_t)W * BS) return -2;
+    const size_t q_row = (size_t)H * D * (bf16 ? sizeof(uint16_t) : sizeof(float));
+    struct batch b = {.jobs = calloc(S, sizeof(struct job))};
+    int tasks = 0, rc = -1;
+    if (!b.jobs) return -1;
+    for (int s = 0; s < S; s++) {
+        struct job *jb = &b.jobs[s];
+        *jb = (struct job){.q = (const char *)q + q_starts[s] * q_row, .k = k, .v = v, .table = tables + (size_t)s * W,
+                           .out = out + q_starts[s] * H * D, .context_len = context_lens[s], .qlen = (int)q_lens[s],
+                           .H = H, .KVH = KVH, .D = D, .BS = BS, .bf16 = bf16, .scale = scale};
+        atomic_init(&jb->failed, 0);
+        plan_row_blocks(jb, threads);
+        tasks += KVH * jb->blocks_per_head;
+    }
+    b.task_job = malloc(sizeof(int) * tasks);
+    b.task_of_job = malloc(sizeof(int) * tasks);
+    if (!b.task_job || !b.task_of_job) goto done;
+    for (int s = 0, t = 0; s < S; s++)
+        for (int i = 0; i < KVH * b.jobs[s].blocks_per_head; i++, t++) { b.task_job[t] = s; b.task_of_job[t] = i; }
+    parallel_for(run_batch_task, &b, tasks, threads < 1 ? 1 : threads);
+    rc = 0;
+    for (int s = 0; s < S; s++) if (atomic_load(&b.jobs[s].failed)) rc = -1;
+done:
+    free(b.jobs); free(b.task_job); free(b.task_of_job);
+    return rc;
 }
 #else
 /* no vector build: the caller keeps its PyTorch path */
@@ -248,6 +305,13 @@ static int prefill(const void *q, const void *k, const void *v, const int64_t *t
                    int64_t context_len, int qlen, int H, int KVH, int D, int BS, float scale, int threads, int bf16) {
     (void)q; (void)k; (void)v; (void)table; (void)out; (void)context_len; (void)qlen; (void)H;
     (void)KVH; (void)D; (void)BS; (void)scale; (void)threads; (void)bf16;
+    return -2;
+}
+static int prefill_batch(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *q_starts,
+                         const int64_t *q_lens, const int64_t *context_lens, float *out, int S, int W, int H,
+                         int KVH, int D, int BS, float scale, int threads, int bf16) {
+    (void)q; (void)k; (void)v; (void)tables; (void)q_starts; (void)q_lens; (void)context_lens; (void)out; (void)S;
+    (void)W; (void)H; (void)KVH; (void)D; (void)BS; (void)scale; (void)threads; (void)bf16;
     return -2;
 }
 #endif
@@ -262,4 +326,16 @@ int tm_prefill_attention_f32(const float *q, const float *k, const float *v, con
                              float *out, int64_t context_len, int qlen, int H, int KVH, int D, int BS,
                              float scale, int threads) {
     return prefill(q, k, v, table, out, context_len, qlen, H, KVH, D, BS, scale, threads, 0);
+}
+
+int tm_prefill_attention_batch_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *tables,
+                                    const int64_t *q_starts, const int64_t *q_lens, const int64_t *context_lens,
+                                    float *out, int S, int W, int H, int KVH, int D, int BS, float scale, int threads) {
+    return prefill_batch(q, k, v, tables, q_starts, q_lens, context_lens, out, S, W, H, KVH, D, BS, scale, threads, 1);
+}
+
+int tm_prefill_attention_batch_f32(const float *q, const float *k, const float *v, const int64_t *tables,
+                                   const int64_t *q_starts, const int64_t *q_lens, const int64_t *context_lens,
+                                   float *out, int S, int W, int H, int KVH, int D, int BS, float scale, int threads) {
+    return prefill_batch(q, k, v, tables, q_starts, q_lens, context_lens, out, S, W, H, KVH, D, BS, scale, threads, 0);
 }

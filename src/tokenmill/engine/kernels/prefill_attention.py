@@ -1,6 +1,6 @@
-"""Prefill attention through `prefill_attention.c`: one sequence's new queries against its
-whole cached context, flash-style over the paged K/V in place, on `torch.get_num_threads()`
-threads.
+"""Prefill attention through `prefill_attention.c`: a sequence's new queries against its whole
+cached context, flash-style over the paged K/V in place, on `torch.get_num_threads()` threads;
+one sequence (`prefill_attention`) or all of a step's at once (`prefill_attention_batch`).
 
 `supported()` says where it runs (AVX2+FMA builds, head_dim a multiple of 16 up to 256, bf16
 or fp32); elsewhere callers keep PyTorch's attention.
@@ -8,11 +8,16 @@ or fp32); elsewhere callers keep PyTorch's attention.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.engine.kernels import MAX_HEAD_DIM, load_library
+
+if TYPE_CHECKING:
+    from tokenmill.engine.attention import SeqSpan
 
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -26,6 +31,10 @@ def _library() -> ctypes.CDLL | None:
     for name in ("tm_prefill_attention_bf16", "tm_prefill_attention_f32"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
+    batch_args = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    for name in ("tm_prefill_attention_batch_bf16", "tm_prefill_attention_batch_f32"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = batch_args, ctypes.c_int
     return lib
 
 
@@ -62,6 +71,52 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty(qlen, heads, dim, dtype=torch.float32)
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), out.data_ptr(),
             context_len, qlen, heads, kv_heads, dim, block_size, scale, torch.get_num_threads())
+    if rc:
+        raise MemoryError("native prefill attention could not allocate its scratch buffers")
+    return out
+
+
+@dataclass(slots=True)
+class SpanTable:
+    """A step's spans in the batch kernel's form, built once per step (`of`) for all its layers."""
+    block_table: torch.Tensor  # int64 [spans, max blocks], padded with 0
+    query_starts: torch.Tensor  # int64 [spans]
+    query_lens: torch.Tensor  # int64 [spans]
+    context_lens: torch.Tensor  # int64 [spans]
+    rows: int  # query rows the spans reach: the step's q must have at least these
+
+    @staticmethod
+    def of(spans: list[SeqSpan]) -> SpanTable:
+        width = max(s.block_ids.numel() for s in spans)
+        table = torch.zeros(len(spans), width, dtype=torch.int64)
+        for i, s in enumerate(spans):
+            table[i, :s.block_ids.numel()] = s.block_ids
+        return SpanTable(table, torch.tensor([s.query_start for s in spans], dtype=torch.int64),
+                         torch.tensor([s.query_len for s in spans], dtype=torch.int64),
+                         torch.tensor([s.context_len for s in spans], dtype=torch.int64),
+                         max(s.query_start + s.query_len for s in spans))
+
+
+def prefill_attention_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: SpanTable,
+                            scale: float) -> torch.Tensor:
+    """q [N, H, D]; each span's query rows attend causally to its context (as `prefill_attention`)
+    -> [N, H, D] fp32, rows outside every span left uninitialised."""
+    lib = _library()
+    tokens, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if lib is None or not supported(q.dtype, dim) or k_cache.dtype != q.dtype or heads % kv_heads:
+        raise ValueError(f"no prefill kernel for {q.dtype}, heads {heads}, kv heads {kv_heads}, head_dim {dim}")
+    if spans.rows > tokens:
+        raise ValueError(f"spans reach past the step's {tokens} query rows")
+    fn = lib.tm_prefill_attention_batch_bf16 if q.dtype == torch.bfloat16 else lib.tm_prefill_attention_batch_f32
+    q = q.contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=torch.float32)
+    count, width = spans.block_table.shape
+    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), spans.block_table.data_ptr(),
+            spans.query_starts.data_ptr(), spans.query_lens.data_ptr(), spans.context_lens.data_ptr(), out.data_ptr(),
+            count, width, heads, kv_heads, dim, block_size, scale, torch.get_num_threads())
+    if rc == -2:
+        raise ValueError("a span's queries or context do not fit its block table")
     if rc:
         raise MemoryError("native prefill attention could not allocate its scratch buffers")
     return out

@@ -9,6 +9,11 @@ The experts run on one of three paths, chosen per call:
 - **oneDNN-packed** (`kernels/packed_linear.py`): bf16 on CPUs with native bf16, large batches.
 - **plain** `F.linear` per expert: everything else (autograd, other devices, no kernels).
 All three compute the same function; the native path keeps its sums in fp32 throughout.
+
+`batch_invariant` makes a token's output independent of the other tokens in the call: the
+native path for every batch (a token's experts summed in expert order, each matmul in one fixed
+order), the router's scores through the native kernel too, and ties in the top-k broken by the
+lower expert id.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from torch import nn
 
 from tokenmill.engine.kernels import grouped_experts
 from tokenmill.engine.kernels.packed_linear import PackedLinear, bf16_packing_available, pack_experts
+from tokenmill.engine.models.native_linear import NativeLinear
 from tokenmill.textgen.model_config import MoEConfig
 
 if TYPE_CHECKING:
@@ -38,13 +44,14 @@ class SparseMoE(nn.Module):
     (and router choices) here and takes each rank's sums back."""
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     exchange: ExpertExchange | None = None
+    batch_invariant = False
 
     def __init__(self, hidden: int, moe: MoEConfig, local_experts: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
         self.first_expert, stop = local_experts or (0, moe.num_experts)
         self.num_experts, self.intermediate = stop - self.first_expert, moe.intermediate_size
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.gate = NativeLinear(hidden, moe.num_experts, bias=False)
         self.w_gate_up = nn.Parameter(torch.empty(self.num_experts, 2 * moe.intermediate_size, hidden))
         self.w_down = nn.Parameter(torch.empty(self.num_experts, hidden, moe.intermediate_size))
         self._packed: tuple[list[PackedLinear], list[PackedLinear]] | None = None
@@ -58,7 +65,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights, experts = self._top_k(probs)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         dtype = x.dtype
@@ -74,6 +81,12 @@ class SparseMoE(nn.Module):
         if self.exchange is not None:
             return self.exchange.combine(out, dtype)
         return out if self.reduce is None else self.reduce(out)
+
+    def _top_k(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.batch_invariant:
+            return probs.topk(self.top_k, dim=-1)
+        weights, experts = probs.sort(dim=-1, descending=True, stable=True)  # ties: the lower id first
+        return weights[:, :self.top_k], experts[:, :self.top_k]
 
     def _local_ids(self, experts: torch.Tensor) -> torch.Tensor:
         """Expert ids in this module's numbering; -1 for experts another rank holds."""
@@ -122,7 +135,7 @@ class SparseMoE(nn.Module):
     def _native_panels(self, x: torch.Tensor, experts: torch.Tensor,
                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
         """The panels when the native path applies to this call (repacked if the weights changed)."""
-        if not grouped_experts.use_native(x, self.w_gate_up.dtype, self._gemm_rows(x, experts)):
+        if not grouped_experts.use_native(x, self.w_gate_up.dtype, self._gemm_rows(x, experts), self.batch_invariant):
             return None
         if self._panels is None or self._panels[2] != self._versions():
             self._panels = self._pack_panels()

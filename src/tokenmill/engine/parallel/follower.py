@@ -30,6 +30,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
                  "--max-positions", "--threads"):
         p.add_argument(name, type=int, required=True)
     p.add_argument("--timeout-s", type=float, required=True)
+    p.add_argument("--deterministic", action="store_true")
     return p.parse_args(argv)
 
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     shard = shard_for(cfg, layout, args.rank)
     local = shard.local_config(cfg)
     dtype = getattr(torch, args.dtype)
-    model = load_model(args.model, cfg, dtype, args.max_positions, shard)
+    model = load_model(args.model, cfg, dtype, args.max_positions, shard, batch_invariant=args.deterministic)
     kv_cache = allocate_kv_cache(local.num_layers, args.num_blocks, args.block_size, local.num_kv_heads,
                                  local.head_dim, dtype)
     group = RankGroup(args.rank, layout.world, args.port, timedelta(seconds=args.timeout_s))

@@ -44,6 +44,7 @@ class RankSpec:
     block_size: int
     max_positions: int
     threads: int
+    deterministic: bool = False
 
     def argv(self, rank: int, port: int, timeout: timedelta) -> list[str]:
         return [sys.executable, "-m", "tokenmill.engine.parallel.follower", "--model", self.model,
@@ -51,7 +52,8 @@ class RankSpec:
                 "--attention-dp", str(self.layout.dp),
                 "--rank", str(rank), "--port", str(port), "--num-blocks", str(self.num_blocks),
                 "--block-size", str(self.block_size), "--max-positions", str(self.max_positions),
-                "--threads", str(self.threads), "--timeout-s", str(timeout.total_seconds())]
+                "--threads", str(self.threads), "--timeout-s", str(timeout.total_seconds()),
+                *(["--deterministic"] if self.deterministic else [])]
 
 
 def attach_collectives(model: CausalLM, shard: Shard, group: RankGroup) -> ExpertExchange | None:

@@ -22,16 +22,17 @@ def parallel_runner(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, 
     # the worker's threads shared out between its ranks, as rank 0's own (LLMEngine)
     threads = config.rank_threads or max(1, torch.get_num_threads() // layout.world)
     spec = RankSpec(config.model, config.dtype_name(cfg), layout, num_blocks, config.block_size, max_positions,
-                    threads)
+                    threads, config.deterministic)
     ranks = RankProcesses(spec)
     try:
         shard = shard_for(cfg, layout, 0)
-        model = load_model(config.model, cfg, dtype, max_positions, shard)
+        model = load_model(config.model, cfg, dtype, max_positions, shard, batch_invariant=config.deterministic)
         exchange = attach_collectives(model, shard, ranks.group)
         args = (ranks, model, shard.local_config(cfg), num_blocks, config.block_size, dtype, config.seed)
+        kwargs = dict(exit_on_rank_loss=config.exit_on_rank_loss, batch_invariant=config.deterministic)
         if exchange is not None:
-            return DataParallelRunner(exchange, *args, exit_on_rank_loss=config.exit_on_rank_loss)
-        return ParallelRunner(*args, exit_on_rank_loss=config.exit_on_rank_loss)
+            return DataParallelRunner(exchange, *args, **kwargs)
+        return ParallelRunner(*args, **kwargs)
     except BaseException:
         ranks.kill()
         raise
