@@ -109,6 +109,21 @@ def test_seeded_sampling_repeats(server: Served) -> None:
     assert len(texts) == 1
 
 
+def test_an_unseeded_answer_returns_the_seed_that_replays_it(server: Served) -> None:
+    client = _client(server)
+    fields = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    first = client.completions.create(**fields)
+    seed = first.model_extra["seed"]
+    assert isinstance(seed, int) and 0 <= seed < 2**63
+    replayed = client.completions.create(**fields, seed=seed)
+    assert replayed.model_extra["seed"] == seed and replayed.choices[0].text == first.choices[0].text
+    others = {client.completions.create(**fields).model_extra["seed"] for _ in range(3)}
+    assert seed not in others and len(others) == 3  # each request draws its own
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, seed=11, stream=True))
+    assert chunks and all(c.model_extra["seed"] == 11 for c in chunks)
+
+
 @pytest.mark.parametrize("top", [0, 3])
 def test_logprobs_in_both_formats(server: Served, top: int) -> None:
     client = _client(server)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,7 +18,7 @@ import openai
 import pytest
 
 from tests.engines_vllm.conftest import BLOCK_SIZE, VLLM_START_S, Deployment, VLLMAlone
-from tests.serving.probes import child_pids, metric, stream_with_a_kill, wait
+from tests.serving.probes import child_pids, kill_the_routed_worker, metric, stream_with_a_kill, wait
 from tests.serving.test_dashboard import _points
 from tests.serving.test_runtime_scaling import state_is, wait_for
 from tokenmill.kv.hashing import block_hashes
@@ -237,24 +235,11 @@ def test_a_killed_vllm_worker_stream_finishes_on_the_other_worker(vllm_deploymen
     server = vllm_deployment.server
 
     def kill() -> tuple[int, list[int], list[Path], list[str]]:
-        # the stream's worker as the router placed it, not as heartbeats report it: vLLM can generate
-        # all its tokens within the half second a heartbeat takes, and a worker killed then has
-        # nothing left to migrate
-        pids = {w["worker_id"]: int(w["pid"]) for w in server.registry()}
-        for each in pids.values():
-            os.kill(each, signal.SIGSTOP)  # nothing reaches the frontend while the stream's worker is found
-        killed = None
-        try:
-            [busy] = [w for w in pids if metric(server.url, "tokenmill_router_worker_load_blocks", worker=w) > 0]
-            pid = pids[busy]
-            engine_core, scratch = _children(pid), _scratch_of(pid)
-            environs = [_environ(p) for p in (pid, *engine_core)]
-            os.kill(pid, signal.SIGKILL)
-            killed = pid
-        finally:
-            for each in pids.values():
-                if each != killed:
-                    os.kill(each, signal.SIGCONT)
+        def inspect(pid: int) -> tuple[list[int], list[Path], list[str]]:
+            engine_core = _children(pid)
+            return engine_core, _scratch_of(pid), [_environ(p) for p in (pid, *engine_core)]
+
+        pid, (engine_core, scratch, environs) = kill_the_routed_worker(server, inspect)
         return pid, engine_core, scratch, environs
 
     migrations = metric(server.url, "tokenmill_request_migrations_total")

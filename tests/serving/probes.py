@@ -1,6 +1,8 @@
 """What the multi-process serving tests ask a running frontend over HTTP, and how they wait."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -54,15 +56,37 @@ def busy_worker_pid(server: Server, before: dict[int, int], timeout_s: float = 5
     raise AssertionError("no single worker reported the request in flight")
 
 
+def kill_the_routed_worker(server: Server, inspect: Callable[[int], T] = lambda pid: None) -> tuple[int, T]:
+    """SIGKILL the worker the router placed the one live stream on (the worker with load in the
+    router's view; a heartbeat can be half a second late, and a small model generates all its
+    tokens within that): every worker is stopped (SIGSTOP) while it is found, so that the stream
+    cannot finish first, and the others are resumed after. `inspect` sees its pid before the kill:
+    (pid, what inspect returned)."""
+    pids = {w["worker_id"]: int(w["pid"]) for w in server.registry()}
+    for each in pids.values():
+        os.kill(each, signal.SIGSTOP)
+    killed = None
+    try:
+        [busy] = [w for w in pids if metric(server.url, "tokenmill_router_worker_load_blocks", worker=w) > 0]
+        seen = inspect(pids[busy])
+        os.kill(pids[busy], signal.SIGKILL)
+        killed = pids[busy]
+    finally:
+        for each in pids.values():
+            if each != killed:
+                os.kill(each, signal.SIGCONT)
+    return killed, seen
+
+
 def stream_with_a_kill(base: str, prompt: list[int], max_tokens: int, kill: Callable[[], T],
-                       after_chunks: int = 40) -> tuple[str, T]:
-    """A greedy completion streamed in full, calling `kill` after its `after_chunks`-th chunk:
-    (text, what kill returned)."""
+                       after_chunks: int = 40, **sampling: object) -> tuple[str, T]:
+    """A completion (greedy, unless `sampling` says otherwise) streamed in full, calling `kill`
+    after its `after_chunks`-th chunk: (text, what kill returned)."""
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
     text: list[str] = []
     killed: T | None = None
-    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True}):
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
+                                           extra_body={"ignore_eos": True}, **{"temperature": 0, **sampling}):
         text.append(chunk.choices[0].text if chunk.choices else "")
         if killed is None and len(text) == after_chunks:
             killed = kill()

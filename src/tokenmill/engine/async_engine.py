@@ -78,7 +78,7 @@ class AsyncLLMEngine:
     def info(self) -> EngineInfo:
         config = self.engine.config
         return EngineInfo("tokenmill", self.engine.max_model_len, config.block_size, config.hash_seed,
-                          config.max_num_seqs)
+                          config.max_num_seqs, config.deterministic)
 
     @property
     def events(self) -> KVEventEmitter:

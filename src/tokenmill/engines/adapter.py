@@ -52,6 +52,7 @@ class EngineInfo:
     block_size: int  # must equal the routers' block size: their hashes are of blocks this long
     hash_seed: int
     max_num_seqs: int
+    deterministic: bool = False  # batch-invariant kernels (the own engine's --deterministic)
 
 
 class EngineAdapter(Protocol):

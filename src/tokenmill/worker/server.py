@@ -176,7 +176,7 @@ class WorkerServer:
             model=self.settings.model_name, pid=os.getpid(), host=os.uname().nodename,
             incarnation=uuid.uuid4().hex,
             metadata={"max_model_len": info.max_model_len, "block_size": info.block_size,
-                      "hash_seed": info.hash_seed, "engine": info.name,
+                      "hash_seed": info.hash_seed, "engine": info.name, "deterministic": info.deterministic,
                       "events_address": (advertised(self.publisher.address, self.settings.advertise_host)
                                          if self.publisher and self.publisher.address else None),
                       "events_subject": self.publisher.subject if self.publisher else None,

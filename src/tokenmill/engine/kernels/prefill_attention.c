@@ -59,28 +59,30 @@ static inline float hsum8(__m256 v) {
 /* s[r][0..NK) = q[r] . kt[.][j] for the MR rows of a tile, 16 keys at a time: 12 sums in
  * registers with AVX2, 6 with AVX-512 (twice as wide). Either sums a score's products in the
  * same order (d ascending, one fused multiply-add each), so both give the same bits. */
-static void tile_scores(const float *q, const float *kt, int D, float s[MR][NK]) {
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void tile_scores(const float *q, const float *kt, int D, float s[MR][NK], const int nr) {
     for (int j0 = 0; j0 < NK; j0 += 16) {
 #if defined(__AVX512F__)
         __m512 a[MR];
-        for (int r = 0; r < MR; r++) a[r] = _mm512_setzero_ps();
+        for (int r = 0; r < nr; r++) a[r] = _mm512_setzero_ps();
         for (int d = 0; d < D; d++) {
             const __m512 kv = _mm512_loadu_ps(kt + d * NK + j0);
-            for (int r = 0; r < MR; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), kv, a[r]);
+            for (int r = 0; r < nr; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), kv, a[r]);
         }
-        for (int r = 0; r < MR; r++) _mm512_storeu_ps(s[r] + j0, a[r]);
+        for (int r = 0; r < nr; r++) _mm512_storeu_ps(s[r] + j0, a[r]);
 #else
         __m256 a0[MR], a1[MR];
-        for (int r = 0; r < MR; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+        for (int r = 0; r < nr; r++) a0[r] = a1[r] = _mm256_setzero_ps();
         for (int d = 0; d < D; d++) {
             const __m256 k0 = _mm256_loadu_ps(kt + d * NK + j0), k1 = _mm256_loadu_ps(kt + d * NK + j0 + 8);
-            for (int r = 0; r < MR; r++) {
+            for (int r = 0; r < nr; r++) {
                 const __m256 b = _mm256_broadcast_ss(q + r * D + d);
                 a0[r] = _mm256_fmadd_ps(b, k0, a0[r]);
                 a1[r] = _mm256_fmadd_ps(b, k1, a1[r]);
             }
         }
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < nr; r++) {
             _mm256_storeu_ps(s[r] + j0, a0[r]);
             _mm256_storeu_ps(s[r] + j0 + 8, a1[r]);
         }
@@ -88,34 +90,35 @@ static void tile_scores(const float *q, const float *kt, int D, float s[MR][NK])
     }
 }
 
-/* o[r] = alpha[r] * o[r] + sum_j p[r][j] * vf[j] over the first nk keys, 16 dims at a time (the
+/* o[r] = alpha[r] * o[r] + sum_j p[r][j] * vrows[j] over the first nk keys, 16 dims at a time (the
  * same operations in the same order with AVX2 and AVX-512). */
-static void tile_pv(float s[MR][NK], const float *alpha, const float *vf, int nk, int D, float *o) {
+INLINE void tile_pv(float s[MR][NK], const float *alpha, const float *const *vrows, int nk, int D, float *o,
+                    const int nr) {
     for (int d0 = 0; d0 < D; d0 += 16) {
 #if defined(__AVX512F__)
         __m512 a[MR];
-        for (int r = 0; r < MR; r++) a[r] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), _mm512_loadu_ps(o + r * D + d0));
+        for (int r = 0; r < nr; r++) a[r] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), _mm512_loadu_ps(o + r * D + d0));
         for (int j = 0; j < nk; j++) {
-            const __m512 vv = _mm512_loadu_ps(vf + j * D + d0);
-            for (int r = 0; r < MR; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), vv, a[r]);
+            const __m512 vv = _mm512_loadu_ps(vrows[j] + d0);
+            for (int r = 0; r < nr; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), vv, a[r]);
         }
-        for (int r = 0; r < MR; r++) _mm512_storeu_ps(o + r * D + d0, a[r]);
+        for (int r = 0; r < nr; r++) _mm512_storeu_ps(o + r * D + d0, a[r]);
 #else
         __m256 a0[MR], a1[MR];
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < nr; r++) {
             const __m256 al = _mm256_set1_ps(alpha[r]);
             a0[r] = _mm256_mul_ps(al, _mm256_loadu_ps(o + r * D + d0));
             a1[r] = _mm256_mul_ps(al, _mm256_loadu_ps(o + r * D + d0 + 8));
         }
         for (int j = 0; j < nk; j++) {
-            const __m256 v0 = _mm256_loadu_ps(vf + j * D + d0), v1 = _mm256_loadu_ps(vf + j * D + d0 + 8);
-            for (int r = 0; r < MR; r++) {
+            const __m256 v0 = _mm256_loadu_ps(vrows[j] + d0), v1 = _mm256_loadu_ps(vrows[j] + d0 + 8);
+            for (int r = 0; r < nr; r++) {
                 const __m256 b = _mm256_broadcast_ss(s[r] + j);
                 a0[r] = _mm256_fmadd_ps(b, v0, a0[r]);
                 a1[r] = _mm256_fmadd_ps(b, v1, a1[r]);
             }
         }
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < nr; r++) {
             _mm256_storeu_ps(o + r * D + d0, a0[r]);
             _mm256_storeu_ps(o + r * D + d0 + 8, a1[r]);
         }
@@ -125,8 +128,9 @@ static void tile_pv(float s[MR][NK], const float *alpha, const float *vf, int nk
 
 /* Masks keys past each row's position, then turns scores into probabilities against the
  * running max; alpha[r] rescales what the row summed before this chunk. */
-static void tile_softmax(float s[MR][NK], const int64_t *pos, int64_t c0, float *m, float *l, float *alpha) {
-    for (int r = 0; r < MR; r++) {
+INLINE void tile_softmax(float s[MR][NK], const int64_t *pos, int64_t c0, float *m, float *l, float *alpha,
+                         const int nr) {
+    for (int r = 0; r < nr; r++) {
         const int64_t visible = pos[r] - c0 + 1; /* keys j < visible are seen */
         for (int64_t j = visible < 0 ? 0 : visible; j < NK; j++) s[r][j] = MASKED;
         __m256 mv = _mm256_loadu_ps(s[r]);
@@ -150,90 +154,159 @@ struct job {
     const int64_t *table;
     float *out;
     int64_t context_len;
-    int qlen, H, KVH, D, BS, bf16, rows_per_block, blocks_per_head;
+    int qlen, H, KVH, D, BS, bf16, rows_per_block, blocks_per_head, heads_per_task;
     float scale;
     atomic_int failed;
 };
 
-/* kt[d][j] and vf[j][d] for keys c0..c0+NK of KV head kh, zero past the context. */
-static void widen_chunk(const struct job *jb, int kh, int64_t c0, float *kt, float *vf) {
-    const int D = jb->D;
-    const int64_t row = (int64_t)jb->KVH * D;
-    for (int j = 0; j < NK; j++) {
-        const int64_t t = c0 + j;
-        if (t >= jb->context_len) {
-            for (int d = 0; d < D; d++) kt[d * NK + j] = 0.f;
-            memset(vf + j * D, 0, sizeof(float) * D);
-            continue;
-        }
-        const int64_t at = (jb->table[t / jb->BS] * jb->BS + t % jb->BS) * row + kh * D;
-        if (jb->bf16) {
-            const uint16_t *kr = (const uint16_t *)jb->k + at, *vr = (const uint16_t *)jb->v + at;
-            for (int d = 0; d < D; d += 8) {
-                float lanes[8];
-                _mm256_storeu_ps(lanes, widen8_bf16(kr + d));
-                for (int i = 0; i < 8; i++) kt[(d + i) * NK + j] = lanes[i];
-                _mm256_storeu_ps(vf + j * D + d, widen8_bf16(vr + d));
-            }
-        } else {
-            const float *kr = (const float *)jb->k + at, *vr = (const float *)jb->v + at;
-            for (int d = 0; d < D; d++) kt[d * NK + j] = kr[d];
-            memcpy(vf + j * D, vr, sizeof(float) * D);
-        }
+/* r[0..8) (8 keys' 8 dims each) -> r[d] = dim d of the 8 keys, in registers. */
+static inline void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20); r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20); r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31); r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+static inline __m256 load8_as_f32(const struct job *jb, const void *base, int64_t at) {
+    return jb->bf16 ? widen8_bf16((const uint16_t *)base + at) : _mm256_loadu_ps((const float *)base + at);
+}
+
+/* The next chunk's key t: its K and V rows are scattered through the pool (a block of BS keys
+ * here, the next elsewhere), which the hardware prefetcher does not follow. */
+static inline void prefetch_key(const struct job *jb, int kh, int64_t t) {
+    if (t >= jb->context_len) return;
+    const size_t bytes = (size_t)jb->D * (jb->bf16 ? sizeof(uint16_t) : sizeof(float));
+    const int64_t at = (jb->table[t / jb->BS] * jb->BS + t % jb->BS) * (int64_t)jb->KVH * jb->D + kh * jb->D;
+    const char *k = (const char *)jb->k + at * (int64_t)(bytes / jb->D);
+    const char *v = (const char *)jb->v + at * (int64_t)(bytes / jb->D);
+    for (size_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(k + off, 0, 3);
+        __builtin_prefetch(v + off, 0, 3);
     }
 }
 
-/* One task: the query rows [r0, r1) of KV head kh. Scratch is the task's own. */
-static int run_rows(const struct job *jb, int kh, int r0, int r1) {
-    const int D = jb->D, H = jb->H, group = H / jb->KVH, n = r1 - r0, tiles = (n + MR - 1) / MR;
-    float *q = calloc((size_t)tiles * MR * D, sizeof(float));
-    float *o = calloc((size_t)tiles * MR * D, sizeof(float));
-    float *kt = malloc(sizeof(float) * NK * D), *vf = malloc(sizeof(float) * NK * D);
-    float *m = malloc(sizeof(float) * tiles * MR), *l = calloc((size_t)tiles * MR, sizeof(float));
-    int64_t *pos = malloc(sizeof(int64_t) * tiles * MR);
-    int rc = -1;
-    if (!q || !o || !kt || !vf || !m || !l || !pos) goto done;
-    const int64_t first = jb->context_len - jb->qlen;
-    for (int r = 0; r < tiles * MR; r++) {
-        const int rr = r0 + (r < n ? r : n - 1), i = rr / group, h = kh * group + rr % group;
-        pos[r] = first + i;
-        m[r] = MASKED;
-        if (r >= n) continue; /* padding rows: zero queries, outputs dropped */
-        const int64_t at = ((int64_t)i * H + h) * D;
-        for (int d = 0; d < D; d++)
-            q[r * D + d] = jb->scale * (jb->bf16 ? bf16_to_f32(((const uint16_t *)jb->q)[at + d])
-                                                  : ((const float *)jb->q)[at + d]);
+/* kt[d][j] and vrows[j] (V of key j as fp32: the cache's own row for fp32, widened into vf for
+ * bf16) for keys c0..c0+NK of KV head kh, zero past the context. K is turned 8 keys x 8 dims at
+ * a time in registers: one store of 8 keys per dim, not one per value. */
+static void widen_chunk(const struct job *jb, int kh, int64_t c0, float *kt, float *vf, const float **vrows) {
+    const int D = jb->D;
+    const int64_t row = (int64_t)jb->KVH * D;
+    int64_t at[NK];
+    for (int j = 0; j < NK; j++) {
+        const int64_t t = c0 + j;
+        if (t >= jb->context_len) {
+            at[j] = -1;
+            memset(vf + j * D, 0, sizeof(float) * D);
+            vrows[j] = vf + j * D;
+            continue;
+        }
+        at[j] = (jb->table[t / jb->BS] * jb->BS + t % jb->BS) * row + kh * D;
+        if (jb->bf16) {
+            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(vf + j * D + d, widen8_bf16((const uint16_t *)jb->v + at[j] + d));
+            vrows[j] = vf + j * D;
+        } else {
+            vrows[j] = (const float *)jb->v + at[j];
+        }
+        prefetch_key(jb, kh, t + 2 * NK);
     }
+    for (int j0 = 0; j0 < NK; j0 += 8)
+        for (int d0 = 0; d0 < D; d0 += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = at[j0 + i] < 0 ? _mm256_setzero_ps() : load8_as_f32(jb, jb->k, at[j0 + i] + d0);
+            transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (d0 + i) * NK + j0, r[i]);
+        }
+}
+
+/* One key chunk for the first nr rows of a tile (the rest are padding): a copy per row count,
+ * each with its sums in registers. */
+INLINE void tile_chunk_n(const float *q, const float *kt, const float *const *vrows, const int64_t *pos, int64_t c0,
+                         int D, float *m, float *l, float *o, const int nr) {
     float s[MR][NK], alpha[MR];
-    for (int64_t c0 = 0; c0 <= pos[tiles * MR - 1]; c0 += NK) {
-        widen_chunk(jb, kh, c0, kt, vf);
-        for (int t = 0; t < tiles; t++) {
-            if (c0 > pos[t * MR + MR - 1]) continue; /* every row of the tile is before this chunk */
-            const int64_t reach = pos[t * MR + MR - 1] - c0 + 1;
-            tile_scores(q + t * MR * D, kt, D, s);
-            tile_softmax(s, pos + t * MR, c0, m + t * MR, l + t * MR, alpha);
-            tile_pv(s, alpha, vf, reach < NK ? (int)reach : NK, D, o + t * MR * D);
+    const int64_t reach = pos[MR - 1] - c0 + 1;
+    tile_scores(q, kt, D, s, nr);
+    tile_softmax(s, pos, c0, m, l, alpha, nr);
+    tile_pv(s, alpha, vrows, reach < NK ? (int)reach : NK, D, o, nr);
+}
+
+static void tile_chunk(const float *q, const float *kt, const float *const *vrows, const int64_t *pos, int64_t c0,
+                       int D, float *m, float *l, float *o, int nr) {
+    switch (nr) {
+    case 1: tile_chunk_n(q, kt, vrows, pos, c0, D, m, l, o, 1); break;
+    case 2: tile_chunk_n(q, kt, vrows, pos, c0, D, m, l, o, 2); break;
+    case 3: tile_chunk_n(q, kt, vrows, pos, c0, D, m, l, o, 3); break;
+    case 4: tile_chunk_n(q, kt, vrows, pos, c0, D, m, l, o, 4); break;
+    case 5: tile_chunk_n(q, kt, vrows, pos, c0, D, m, l, o, 5); break;
+    default: tile_chunk_n(q, kt, vrows, pos, c0, D, m, l, o, MR); break;
+    }
+}
+
+/* One task: the query rows [r0, r1) of KV heads [kh0, kh1), chunk by chunk, each chunk through
+ * the heads in turn (a key's K and V rows of all heads lie together). Scratch is the task's own. */
+static int run_rows(const struct job *jb, int kh0, int kh1, int r0, int r1) {
+    const int D = jb->D, H = jb->H, group = H / jb->KVH, n = r1 - r0, tiles = (n + MR - 1) / MR;
+    const int heads = kh1 - kh0;
+    /* one allocation for the task's scratch (a decode's task is a few microseconds of work) */
+    const size_t rows = (size_t)tiles * MR, rows_d = rows * D, per_head = 2 * rows_d + 2 * rows;
+    int64_t *pos = malloc(sizeof(int64_t) * rows + sizeof(float) * (heads * per_head + 2 * (size_t)NK * D));
+    if (!pos) return -1;
+    float *kt = (float *)(pos + rows), *vf = kt + (size_t)NK * D, *state = vf + (size_t)NK * D;
+    memset(state, 0, sizeof(float) * heads * per_head);
+    const int64_t first = jb->context_len - jb->qlen;
+    for (int r = 0; r < tiles * MR; r++) pos[r] = first + (r0 + (r < n ? r : n - 1)) / group;
+    for (int kh = kh0; kh < kh1; kh++) {
+        float *q = state + (kh - kh0) * per_head, *m = q + 2 * rows_d;
+        for (int r = 0; r < tiles * MR; r++) {
+            m[r] = MASKED;
+            if (r >= n) continue; /* padding rows: zero queries, outputs dropped */
+            const int rr = r0 + r, i = rr / group, h = kh * group + rr % group;
+            const int64_t at = ((int64_t)i * H + h) * D;
+            for (int d = 0; d < D; d++)
+                q[r * D + d] = jb->scale * (jb->bf16 ? bf16_to_f32(((const uint16_t *)jb->q)[at + d])
+                                                      : ((const float *)jb->q)[at + d]);
         }
     }
-    for (int r = 0; r < n; r++) {
-        const int rr = r0 + r, i = rr / group, h = kh * group + rr % group;
-        const float inv = 1.f / l[r];
-        float *dst = jb->out + ((int64_t)i * H + h) * D;
-        for (int d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+    const float *vrows[NK];
+    for (int64_t c0 = 0; c0 <= pos[tiles * MR - 1]; c0 += NK)
+        for (int kh = kh0; kh < kh1; kh++) {
+            float *q = state + (kh - kh0) * per_head, *o = q + rows_d, *m = o + rows_d, *l = m + rows;
+            widen_chunk(jb, kh, c0, kt, vf, vrows);
+            for (int t = 0; t < tiles; t++) {
+                if (c0 > pos[t * MR + MR - 1]) continue; /* every row of the tile is before this chunk */
+                const int nr = n - t * MR < MR ? n - t * MR : MR;
+                tile_chunk(q + t * MR * D, kt, vrows, pos + t * MR, c0, D, m + t * MR, l + t * MR, o + t * MR * D, nr);
+            }
+        }
+    for (int kh = kh0; kh < kh1; kh++) {
+        const float *o = state + (kh - kh0) * per_head + rows_d, *l = o + rows_d + rows;
+        for (int r = 0; r < n; r++) {
+            const int rr = r0 + r, i = rr / group, h = kh * group + rr % group;
+            const float inv = 1.f / l[r];
+            float *dst = jb->out + ((int64_t)i * H + h) * D;
+            for (int d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+        }
     }
-    rc = 0;
-done:
-    free(q); free(o); free(kt); free(vf); free(m); free(l); free(pos);
-    return rc;
+    free(pos);
+    return 0;
 }
 
 /* Tasks in descending row blocks: the last rows see the most keys, so they go first. */
 static void run_task(void *ctx, int task) {
     struct job *jb = ctx;
-    const int kh = task % jb->KVH, block = jb->blocks_per_head - 1 - task / jb->KVH;
+    const int groups = jb->KVH / jb->heads_per_task, kh0 = task % groups * jb->heads_per_task;
+    const int block = jb->blocks_per_head - 1 - task / groups;
     const int rows = jb->qlen * (jb->H / jb->KVH), r0 = block * jb->rows_per_block;
     const int r1 = r0 + jb->rows_per_block < rows ? r0 + jb->rows_per_block : rows;
-    if (run_rows(jb, kh, r0, r1)) atomic_store(&jb->failed, 1);
+    if (run_rows(jb, kh0, kh0 + jb->heads_per_task, r0, r1)) atomic_store(&jb->failed, 1);
 }
 
 /* Splits the job's rows into blocks of whole tiles: small enough to stay in L2, and enough of
@@ -244,6 +317,12 @@ static void plan_row_blocks(struct job *jb, int threads) {
     while (per_block > MR && (int64_t)jb->KVH * ((rows + per_block - 1) / per_block) < threads) per_block -= MR;
     jb->rows_per_block = per_block;
     jb->blocks_per_head = (rows + per_block - 1) / per_block;
+    /* a decode's few rows: one task for all the heads, which read each key's rows together */
+    jb->heads_per_task = jb->blocks_per_head == 1 && rows <= MR ? jb->KVH : 1;
+}
+
+static int job_tasks(const struct job *jb) {
+    return jb->KVH / jb->heads_per_task * jb->blocks_per_head;
 }
 
 static int prefill(const void *q, const void *k, const void *v, const int64_t *table, float *out,
@@ -253,7 +332,7 @@ static int prefill(const void *q, const void *k, const void *v, const int64_t *t
                      .qlen = qlen, .H = H, .KVH = KVH, .D = D, .BS = BS, .bf16 = bf16, .scale = scale};
     atomic_init(&jb.failed, 0);
     plan_row_blocks(&jb, threads);
-    parallel_for(run_task, &jb, KVH * jb.blocks_per_head, threads < 1 ? 1 : threads);
+    parallel_for(run_task, &jb, job_tasks(&jb), threads < 1 ? 1 : threads);
     return atomic_load(&jb.failed) ? -1 : 0;
 }
 
@@ -285,13 +364,13 @@ static int prefill_batch(const void *q, const void *k, const void *v, const int6
                            .H = H, .KVH = KVH, .D = D, .BS = BS, .bf16 = bf16, .scale = scale};
         atomic_init(&jb->failed, 0);
         plan_row_blocks(jb, threads);
-        tasks += KVH * jb->blocks_per_head;
+        tasks += job_tasks(jb);
     }
     b.task_job = malloc(sizeof(int) * tasks);
     b.task_of_job = malloc(sizeof(int) * tasks);
     if (!b.task_job || !b.task_of_job) goto done;
     for (int s = 0, t = 0; s < S; s++)
-        for (int i = 0; i < KVH * b.jobs[s].blocks_per_head; i++, t++) { b.task_job[t] = s; b.task_of_job[t] = i; }
+        for (int i = 0; i < job_tasks(&b.jobs[s]); i++, t++) { b.task_job[t] = s; b.task_of_job[t] = i; }
     parallel_for(run_batch_task, &b, tasks, threads < 1 ? 1 : threads);
     rc = 0;
     for (int s = 0; s < S; s++) if (atomic_load(&b.jobs[s].failed)) rc = -1;
