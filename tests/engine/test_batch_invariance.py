@@ -175,3 +175,18 @@ def test_deterministic_needs_the_native_kernels_on_the_cpu(tiny_dense: Path) -> 
 
     with pytest.raises(ValueError, match="--deterministic"):
         EngineConfig(model=str(tiny_dense), device="cuda", deterministic=True)
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(2, 1), (1, 2)], ids=["tp2", "ep2"])
+def test_within_one_parallel_layout_too(tiny_moe: Path, tp: int, ep: int) -> None:
+    """Rank processes of a --tp/--ep worker take the same kernels (the flag reaches them), and
+    their partial sums are added in rank order: a seeded request's logprobs alone and in a crowd
+    of 64-token chunks are the same bits."""
+    prompt = [random.Random(9).randrange(3, 500) for _ in range(100)]
+    engine = make_engine(tiny_moe, tp=tp, ep=ep, deterministic=True)
+    try:
+        alone, _ = _run(engine, {"r": (prompt, SAMPLED)})
+        crowded, _ = _run(engine, {**_crowd(engine, 10, seed=3), "r2": (prompt, SAMPLED)})
+    finally:
+        engine.close()
+    assert crowded["r2"] == alone["r"]

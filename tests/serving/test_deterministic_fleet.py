@@ -1,8 +1,8 @@
 """`tokenmill serve --deterministic` over real processes: a seeded request at temperature 1 gives
 the tokens and logprobs of the in-process engine, bit for bit, on a cold and a warm worker, amid
 other requests, after its prefix went to the host tier and back, through a worker killed
-mid-stream (the other recomputes and continues), and disaggregated (its KV pulled from a prefill
-worker)."""
+mid-stream (the other recomputes and continues), disaggregated (its KV pulled from a prefill
+worker), and through either of two frontends."""
 from __future__ import annotations
 
 import asyncio
@@ -113,5 +113,16 @@ def test_disaggregated_answers_are_the_in_process_engines(tiny_moe: Path, tmp_pa
         assert _logprobs(server) == reference
         # its KV came from the prefill worker (the count arrives with the decode worker's heartbeat)
         wait(lambda: metric(server.url, "tokenmill_worker_kv_pulls") >= 1, "the decode worker's pull")
+    finally:
+        stop_server(server)
+
+
+def test_answers_through_two_frontends_are_the_in_process_engines(tiny_moe: Path, tmp_path: Path,
+                                                                 reference: list[float]) -> None:
+    server = start_server(tiny_moe, tmp_path / "run", "--deterministic", "--api-servers", "2", workers=1)
+    try:
+        wait(lambda: [w["metadata"].get("frontends") for w in server.registry()] == [2], "both frontends connected")
+        for _ in range(8):  # a fresh connection each (httpx.post): the kernel spreads them over both servers
+            assert _logprobs(server) == reference
     finally:
         stop_server(server)

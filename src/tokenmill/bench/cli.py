@@ -53,6 +53,8 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
      "serving hot path: wrk against tokenmill serve with instant mock workers: req/s, latency, CPU/1k req, RSS"),
     ("router-warmup", "tokenmill.bench.routing.router_warmup_bench",
      "a fresh frontend over mock workers holding 1M cached blocks: seconds to a warm index and KV-aware routing"),
+    ("replay", "tokenmill.bench.serving.replay_bench",
+     "the same seeded requests through serve twice, in different orders under load, with and without --deterministic"),
     ("tenants", "tokenmill.bench.serving.tenants_bench",
      "an interactive tenant beside a batch tenant's flood on a mock GPU fleet, with and without priority classes"),
     ("engines", "tokenmill.bench.engines.engines_bench",
