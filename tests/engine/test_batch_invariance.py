@@ -105,20 +105,6 @@ def test_logits_at_every_position_are_bitwise_the_same_in_any_batch_and_split(
     assert not differing, f"positions {differing[:8]} differ ({len(steps)} steps)"
 
 
-def test_the_default_engine_is_not_batch_invariant(tiny_moe: Path) -> None:
-    """What the flag buys: without it, a decode row and the same row in a prompt chunk differ in
-    their last bits (the decode kernel and library GEMMs sum in other orders)."""
-    engine = make_engine(tiny_moe, num_kv_blocks=4096)
-    runner = engine.runner
-    assert isinstance(runner, TorchModelRunner)
-    x = [random.Random(1).randrange(3, engine.model_config.vocab_size) for _ in range(100)]
-    blocks = {"x": Pool(engine.config.block_size, 0).take(100)}
-    alone = _logits_by_position(runner, [[("x", 0, 100)]], {"x": x}, blocks, "x")
-    decoded = _logits_by_position(runner, [[("x", 0, 60)]] + [[("x", p, p + 1)] for p in range(60, 100)],
-                                  {"x": x}, blocks, "x")
-    assert any(not torch.equal(a, b) for a, b in zip(alone[60:], decoded[60:]))
-
-
 # ---- through the engine ------------------------------------------------------------------------
 
 SAMPLED = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, logprobs=5, ignore_eos=True)
@@ -170,20 +156,24 @@ def test_a_seeded_request_samples_the_same_tokens_wherever_it_runs(model_dirs: d
     assert half["half"] != alone["r"]  # the check above can fail: another prompt samples other tokens
 
 
-def test_deterministic_needs_the_native_kernels_on_the_cpu(tiny_dense: Path) -> None:
+def test_deterministic_needs_the_native_kernels(tiny_dense: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.kernels import grouped_experts
 
-    with pytest.raises(ValueError, match="--deterministic"):
-        EngineConfig(model=str(tiny_dense), device="cuda", deterministic=True)
+    assert EngineConfig(model=str(tiny_dense), device="auto", deterministic=True).device == "cpu"  # no GPU here
+    monkeypatch.setattr(grouped_experts, "available", lambda dtype: False)  # as without a C compiler
+    with pytest.raises(ValueError, match="--deterministic needs the native CPU kernels"):
+        make_engine(tiny_dense, deterministic=True)
 
 
 @pytest.mark.parametrize(("tp", "ep"), [(2, 1), (1, 2)], ids=["tp2", "ep2"])
 def test_within_one_parallel_layout_too(tiny_moe: Path, tp: int, ep: int) -> None:
-    """Rank processes of a --tp/--ep worker take the same kernels (the flag reaches them), and
-    their partial sums are added in rank order: a seeded request's logprobs alone and in a crowd
-    of 64-token chunks are the same bits."""
+    """Rank processes of a --tp/--ep worker take the same kernels (the flag reaches them): a seeded
+    request's logprobs alone and in a crowd, in 64-token chunks and computed again (no prefix
+    cache), are the same bits. (Two ranks' partial sums add the same in either order.)"""
     prompt = [random.Random(9).randrange(3, 500) for _ in range(100)]
-    engine = make_engine(tiny_moe, tp=tp, ep=ep, deterministic=True)
+    engine = make_engine(tiny_moe, tp=tp, ep=ep, deterministic=True, max_num_batched_tokens=64,
+                         enable_prefix_caching=False)
     try:
         alone, _ = _run(engine, {"r": (prompt, SAMPLED)})
         crowded, _ = _run(engine, {**_crowd(engine, 10, seed=3), "r2": (prompt, SAMPLED)})

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tokenmill.engine import config
 from tokenmill.engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,9 +36,11 @@ def test_cuda_is_refused_where_torch_sees_no_gpu_and_taken_where_it_does(tiny_de
     ({"runner": "mock"}, "--device cuda: the mock runner computes nothing"),
     ({"tp": 2}, "--device cuda: --tp, --ep and --attention-dp run on the CPU only"),
     ({"kv_host_gb": 1.0}, "--device cuda: the KV tiers copy from a host-memory pool"),
+    ({"deterministic": True}, "--device cuda: --deterministic needs the native CPU kernels"),
 ])
-def test_what_runs_on_the_cpu_only_is_refused_naming_the_flag(tiny_dense: Path, overrides: dict,
-                                                              message: str) -> None:
+def test_what_runs_on_the_cpu_only_is_refused_naming_the_flag(tiny_dense: Path, overrides: dict, message: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "resolve_device", lambda device: "cuda")  # as on a host with a GPU
     with pytest.raises(ValueError, match=message):
         EngineConfig(model=str(tiny_dense), device="cuda", **overrides)
 

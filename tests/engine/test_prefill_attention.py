@@ -77,3 +77,46 @@ def test_engine_generates_the_same_tokens_without_the_prefill_kernel(tiny_moe: P
     batch = prompts(native, 5, seed=33)
     batch.append(batch[0] + batch[1])  # its first blocks are cached by then: a new turn
     assert native.generate(batch, GREEDY) == fallback.generate(batch, GREEDY)
+
+
+@settings(max_examples=30, deadline=None)
+@given(dim=st.sampled_from([16, 32, 64, 128, 256]), group=st.integers(1, 8), kv_heads=st.integers(1, 3),
+       lens=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 150)), min_size=1, max_size=5),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_a_row_is_the_same_bits_in_any_span_and_beside_any_sequences(
+        dim: int, group: int, kv_heads: int, lens: list[tuple[int, int]], dtype: torch.dtype, threads: int,
+        seed: int) -> None:
+    """Several sequences (each `qlen` new queries on `cached` keys) in one call, against every
+    query row computed alone as a one-query span at its own position: bitwise equal, for odd
+    head groups too (a tile of 1, 3, 5 or 7 rows takes its own copy of the inner loops)."""
+    from tokenmill.engine.attention import SeqSpan
+
+    g, bs = torch.Generator().manual_seed(seed), 16
+    spans, at, rows = [], 0, 0
+    for qlen, cached in lens:
+        blocks = -(-(qlen + cached) // bs)
+        spans.append(SeqSpan(rows, qlen, qlen + cached, torch.arange(at, at + blocks)))
+        at, rows = at + blocks, rows + qlen
+    cache = torch.randn(2, at, bs, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(rows, kv_heads * group, dim, generator=g).to(dtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = kernel.prefill_attention_batch(q, cache[0], cache[1], kernel.SpanTable.of(spans, bs), 0.25)
+        for s in spans:
+            for i in range(s.query_len):
+                row = s.query_start + i
+                alone = kernel.prefill_attention(q[row:row + 1], cache[0], cache[1], s.block_ids,
+                                                 s.context_len - s.query_len + i + 1, 0.25)
+                assert torch.equal(alone[0], together[row]), (row, (alone[0] - together[row]).abs().max())
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_spans_beyond_the_step_are_refused() -> None:
+    from tokenmill.engine.attention import SeqSpan
+
+    cache = torch.zeros(3, 16, 1, 16)
+    spans = kernel.SpanTable.of([SeqSpan(2, 4, 10, torch.arange(3))], 16)
+    with pytest.raises(ValueError, match="row 6 of a step of 5"):
+        kernel.prefill_attention_batch(torch.zeros(5, 1, 16), cache, cache, spans, 1.0)

@@ -1,6 +1,6 @@
 """`tokenmill serve --deterministic` over real processes: a seeded request at temperature 1 gives
 the tokens and logprobs of the in-process engine, bit for bit, on a cold and a warm worker, amid
-other requests, after its prefix went to the host tier and back, through a worker killed
+other requests, after its prefix went to the host or the disk tier and back, through a worker killed
 mid-stream (the other recomputes and continues), disaggregated (its KV pulled from a prefill
 worker), and through either of two frontends."""
 from __future__ import annotations
@@ -58,7 +58,8 @@ def reference(tiny_moe: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def fleet(tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Two deterministic workers, each with a small device pool, a host tier and 32-token chunks."""
+    """Two deterministic workers, each with a small device pool (40 blocks), a host tier and
+    32-token chunks."""
     server = start_server(tiny_moe, tmp_path_factory.mktemp("run"), "--deterministic", "--kv-cache-blocks", "40",
                           "--kv-host-gb", "0.02", "--max-num-batched-tokens", "32", "--router", "kv", workers=2)
     try:
@@ -75,21 +76,32 @@ def test_every_worker_runs_the_deterministic_kernels(fleet: Server) -> None:
 def test_cold_warm_and_crowded_answers_are_the_in_process_engines(fleet: Server, reference: list[float]) -> None:
     assert len(reference) == MAX_TOKENS
     assert _logprobs(fleet) == reference  # cold
+    cached = metric(fleet.url, "tokenmill_cached_tokens_total")
     assert _logprobs(fleet) == reference  # its prompt cached where the router sends it
+    wait(lambda: metric(fleet.url, "tokenmill_cached_tokens_total") >= cached + 80, "its 5 full blocks found cached")
     assert asyncio.run(_amid_others(fleet, 12)) == reference
     assert _logprobs(fleet, seed=SEED + 1) != reference  # the comparison can fail
 
 
-def test_an_answer_restored_from_the_host_tier_is_the_same(fleet: Server, reference: list[float]) -> None:
-    assert _logprobs(fleet) == reference
-    before = metric(fleet.url, "tokenmill_worker_onboarded_tokens")
-    rng = random.Random(8)
-    for _ in range(16):  # 16 x 300 tokens over the workers' 2 x 640 slots: the prompt's blocks go to the host tier
+def _fill(server: Server, rng: random.Random) -> None:
+    """16 x 300 new tokens, more than the workers' 40-block device pools hold: the older blocks
+    leave them for the tiers below."""
+    for _ in range(16):
         prompt = [rng.randrange(3, 500) for _ in range(300)]
-        assert httpx.post(fleet.url + "/v1/completions", timeout=60,
+        assert httpx.post(server.url + "/v1/completions", timeout=60,
                           json={**SAMPLED, "prompt": prompt, "max_tokens": 2}).status_code == 200
-    assert _logprobs(fleet) == reference
-    wait(lambda: metric(fleet.url, "tokenmill_worker_onboarded_tokens") >= before + 64, "a host-tier hit")
+
+
+def _restored_from(server: Server, tier: str, reference: list[float]) -> None:
+    assert _logprobs(server) == reference
+    before = metric(server.url, "tokenmill_worker_kv_tier_hits", tier=tier)
+    _fill(server, random.Random(8))
+    assert _logprobs(server) == reference
+    wait(lambda: metric(server.url, "tokenmill_worker_kv_tier_hits", tier=tier) > before, f"a {tier}-tier hit")
+
+
+def test_an_answer_restored_from_the_host_tier_is_the_same(fleet: Server, reference: list[float]) -> None:
+    _restored_from(fleet, "host", reference)
 
 
 def test_a_stream_through_a_killed_worker_is_the_undisturbed_one(fleet: Server) -> None:
@@ -117,12 +129,17 @@ def test_disaggregated_answers_are_the_in_process_engines(tiny_moe: Path, tmp_pa
         stop_server(server)
 
 
-def test_answers_through_two_frontends_are_the_in_process_engines(tiny_moe: Path, tmp_path: Path,
-                                                                 reference: list[float]) -> None:
-    server = start_server(tiny_moe, tmp_path / "run", "--deterministic", "--api-servers", "2", workers=1)
+def test_answers_through_two_frontends_and_the_disk_tier_are_the_in_process_engines(
+        tiny_moe: Path, tmp_path: Path, reference: list[float]) -> None:
+    """One worker (no other to route to) with a disk tier and no host tier, so that its evicted
+    blocks go straight to disk, behind two frontends sharing the port (both connected to it; the
+    kernel spreads the fresh connections over them)."""
+    server = start_server(tiny_moe, tmp_path / "run", "--deterministic", "--api-servers", "2", "--kv-cache-blocks",
+                          "40", "--kv-disk-dir", str(tmp_path / "kv-disk"), workers=1)
     try:
         wait(lambda: [w["metadata"].get("frontends") for w in server.registry()] == [2], "both frontends connected")
-        for _ in range(8):  # a fresh connection each (httpx.post): the kernel spreads them over both servers
+        for _ in range(6):  # a fresh connection each (httpx.post): the kernel spreads them over both servers
             assert _logprobs(server) == reference
+        _restored_from(server, "disk", reference)
     finally:
         stop_server(server)

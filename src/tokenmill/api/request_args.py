@@ -66,7 +66,8 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
                     aliases: dict[str, str], grammar: str | None = None) -> SamplingParams:
     """The engine's parameters; `grammar` (a forced tool call's) wins over `response_format`'s.
     A request without a seed is given one here, and the response returns it (`seed`): sampling
-    depends only on the seed, the token's index and the logits, so any answer can be replayed."""
+    depends only on the seed, the token's index and the logits, so any answer can be replayed.
+    (The Responses API takes no seed, as OpenAI's, and returns none.)"""
     if body.temperature is not None and not 0.0 <= body.temperature <= MAX_TEMPERATURE:
         raise invalid_param("temperature", f"temperature must be between 0 and {MAX_TEMPERATURE:g}, "
                                            f"got {body.temperature}")

@@ -47,9 +47,9 @@ class AttentionBatch:
     native_prefill: bool = False  # spans go through the flash-style kernel, not PyTorch's attention
     span_table: SpanTable | None = None  # the spans in that kernel's form: made at the first layer
 
-    def native_spans(self) -> SpanTable:
+    def native_spans(self, block_size: int) -> SpanTable:
         if self.span_table is None:
-            self.span_table = SpanTable.of(self.spans)
+            self.span_table = SpanTable.of(self.spans, block_size)
         return self.span_table
 
 
@@ -80,7 +80,8 @@ def paged_attention(
         return _decode_attention(q, kv_layer, d, scale).view(tokens, heads * dim)
     native_spans = batch.native_prefill and q.is_cpu and bool(batch.spans)
     if native_spans:  # every span in one call; the decode rows are filled in below
-        out = prefill_attention_batch(q, kv_layer[0], kv_layer[1], batch.native_spans(), scale).to(q.dtype)
+        spans = batch.native_spans(kv_layer.shape[2])
+        out = prefill_attention_batch(q, kv_layer[0], kv_layer[1], spans, scale).to(q.dtype)
     else:
         out = q.new_empty(tokens, heads, dim)
     if d is not None:

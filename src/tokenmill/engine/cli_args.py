@@ -46,6 +46,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dp", type=int, default=1,
                    help="with --ep N: N attention data-parallel ranks, each scheduling its own requests on "
                         "its own KV pool while the experts stay split (the wide-EP layout)")
+    _add_kernel_arguments(g)
+    g.add_argument("--speculative", default=None, metavar="ngram|draft:DIR",
+                   help="speculative decoding: 'ngram' drafts the tokens that followed the latest earlier "
+                        "occurrence of the sequence's last 1-3 tokens (prompt lookup; no extra model); "
+                        "'draft:DIR' drafts greedily with the small model in DIR (the same tokenizer). Each "
+                        "decode step verifies the drafts in one forward pass (torch runner)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="drafts per request per step with --speculative (default 4)")
+    add_tier_arguments(parser)
+
+
+def _add_kernel_arguments(g: argparse._ArgumentGroup) -> None:
+    """Where the forward pass runs, and how."""
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"],
                    help="where the torch runner computes: cpu (the native kernels), cuda (PyTorch's ops on the "
                         "GPU), auto (cuda when torch sees one)")
@@ -55,14 +68,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="batch-invariant kernels (CPU): a request's logits, and so its seeded tokens, are the same "
                         "bits whatever else shares its steps, whether its prefix was cached, recomputed or "
                         "pulled from another worker, and at any --max-num-batched-tokens")
-    g.add_argument("--speculative", default=None, metavar="ngram|draft:DIR",
-                   help="speculative decoding: 'ngram' drafts the tokens that followed the latest earlier "
-                        "occurrence of the sequence's last 1-3 tokens (prompt lookup; no extra model); "
-                        "'draft:DIR' drafts greedily with the small model in DIR (the same tokenizer). Each "
-                        "decode step verifies the drafts in one forward pass (torch runner)")
-    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="drafts per request per step with --speculative (default 4)")
-    add_tier_arguments(parser)
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:

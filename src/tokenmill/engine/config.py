@@ -106,6 +106,9 @@ class EngineConfig:
             return
         if self.runner != "torch":
             raise ValueError(f"--device {self.device}: the mock runner computes nothing; use --device cpu")
+        self.device = resolve_device(self.device)  # imports torch: only for a device other than the CPU
+        if self.device == "cpu":  # auto, without a GPU
+            return
         if self.deterministic:
             raise ValueError(f"--device {self.device}: --deterministic needs the native CPU kernels; "
                              "PyTorch's GPU kernels change their reductions with the batch")
@@ -113,7 +116,6 @@ class EngineConfig:
             raise ValueError(f"--device {self.device}: --tp, --ep and --attention-dp run on the CPU only for now")
         if self.kv_tiers_enabled:
             raise ValueError(f"--device {self.device}: the KV tiers copy from a host-memory pool; not with a GPU yet")
-        self.device = resolve_device(self.device)  # imports torch: only for a device other than the CPU
 
     def _validate_speculative(self) -> None:
         if self.speculative is None:

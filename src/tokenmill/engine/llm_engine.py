@@ -107,11 +107,10 @@ class LLMEngine:
         if kv_allocator is not None and self.config.device != "cpu":
             raise ValueError(f"--device {self.config.device}: KV transfer between workers reads a host-memory "
                              "pool; disaggregated roles run on the CPU for now")
-        model = load_model(self.config.model, cfg, dtype, self.max_model_len, device=self.config.device,
-                           batch_invariant=self.config.deterministic)
-        return TorchModelRunner(model, cfg, num_blocks, self.config.block_size, dtype, self.config.seed,
-                                kv_allocator, self.config.device, graph_shapes(self.config, cfg, self.max_model_len),
-                                self.config.deterministic)
+        c = self.config
+        model = load_model(c.model, cfg, dtype, self.max_model_len, device=c.device, batch_invariant=c.deterministic)
+        return TorchModelRunner(model, cfg, num_blocks, c.block_size, dtype, c.seed, kv_allocator, c.device,
+                                graph_shapes(c, cfg, self.max_model_len), c.deterministic)
 
     def _draft_model(self, num_blocks: int):
         spec = self.config.speculative

@@ -15,7 +15,7 @@ from tokenmill.engine import kernels
 from tokenmill.engine.attention import AttentionBatch, DecodeBatch, SeqSpan, allocate_kv_cache
 from tokenmill.engine.decode_graphs import DecodeGraphs, GraphShapes
 from tokenmill.engine.guided import MaskComputer
-from tokenmill.engine.kernels import prefill_attention
+from tokenmill.engine.kernels import grouped_experts, prefill_attention
 from tokenmill.engine.models.transformer import CausalLM
 from tokenmill.engine.runner_protocol import KVAllocator, Sampled
 from tokenmill.engine.sampler import sample
@@ -63,7 +63,7 @@ class TorchModelRunner:
         self.mask_computer: MaskComputer | None = None  # structured outputs' masks, beside the forward pass
         on_cpu = self.device.type == "cpu" and graphs is None
         self.native_prefill = self.device.type == "cpu" and prefill_attention.supported(dtype, cfg.head_dim)
-        if batch_invariant and not (on_cpu and self.native_prefill):
+        if batch_invariant and not (on_cpu and self.native_prefill and grouped_experts.available(dtype)):
             raise ValueError("--deterministic needs the native CPU kernels (a C compiler, AVX2 and FMA, head_dim a "
                              f"multiple of 16); they do not run here for {dtype} on {device}")
         self.native_decode = on_cpu and dtype in (torch.float32, torch.bfloat16) and not batch_invariant \

@@ -264,6 +264,7 @@ class WorkerPool:
                 router = self.router_for(info.role)
                 if not self._hashes_alike(info, router):
                     continue
+                self._warn_mixed_kernels(info)
                 log.info("worker %s joined at %s", worker_id, info.address)
                 router.add_worker(worker_id)
                 conn = self.connections[worker_id] = WorkerConnection(info, self.ctx, router, self.event_plane,
@@ -282,6 +283,18 @@ class WorkerPool:
             log.error("worker %s caches blocks of %d tokens, this frontend's --block-size is %d: not routing to it",
                       info.worker_id, size, router.config.block_size)
         return False
+
+    def _warn_mixed_kernels(self, info: WorkerInfo) -> None:
+        """Said when a worker joins a fleet whose workers differ from it in --deterministic: a
+        request migrated, or whose KV is pulled, between the two kinds may differ in its last bits
+        from the same request served by either kind alone. Served all the same (a rolling change)."""
+        mine = bool(info.metadata.get("deterministic", False))
+        other = next((c.info for c in self.connections.values()
+                      if bool(c.info.metadata.get("deterministic", False)) != mine), None)
+        if other is not None:
+            log.warning("worker %s runs %s --deterministic and worker %s %s: requests that move between them "
+                        "are not replayed bit for bit", info.worker_id, "with" if mine else "without",
+                        other.worker_id, "without" if mine else "with")
 
     async def _poll(self) -> None:
         while True:

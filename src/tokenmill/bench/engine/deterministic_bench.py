@@ -3,8 +3,8 @@
 Two engines on the same model, one with `--deterministic`, run the same seeded workload (the
 bench's own, greedy) in turn: each round draws a new workload (seed + round, so that no prompt is
 served from the prefix cache of the round before) and runs it on both, the first side swapped
-every round. The ratio is the deterministic side's output tokens over the default side's, summed
-over the rounds; decode steps are compared the same way.
+every round. The ratio is the deterministic side's output tok/s over the default side's, each
+side's tokens and seconds summed over the rounds; its mean decode step over the default's too.
 """
 from __future__ import annotations
 

@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         if bad:
             log.error("bench replay: %s: invalid value (sides: %s; counts must be positive)", flag, ", ".join(SIDES))
             return 2
+    model_name = args.model or "small-moe (make-model, seed 0)"
     with tempfile.TemporaryDirectory(prefix="tokenmill-replay-") as tmp:
         work = Path(tmp)
         if args.model is None:
@@ -132,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         results = [run_side(side, args, bodies, work) for side in sides]
     _print(results)
     if args.json_path:
-        report = {"config": {k: getattr(args, k) for k in ("model", "requests", "concurrency", "workers")},
-                  "sides": [asdict(r) for r in results]}
-        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        config = {"model": model_name, **{k: getattr(args, k) for k in ("requests", "concurrency", "workers")}}
+        out = Path(args.json_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"config": config, "sides": [asdict(r) for r in results]}, indent=2) + "\n")
     return 0

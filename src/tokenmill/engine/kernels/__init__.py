@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 # vectorises the reductions and expf (the kernel only ever sees finite values).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-ffinite-math-only", "-freciprocal-math", "-fPIC", "-shared", "-std=c11", "-pthread"]
+# The kernels whose results must not depend on the batch (the batch-invariant path, --deterministic)
+# keep their sums in the order written: with reassociation allowed, the compiler may add a row's
+# terms in another order in each copy of a function inlined for a different row count. Their hot
+# loops are vector intrinsics already, so this costs them nothing measurable.
+_EXACT_SOURCES = frozenset({"prefill_attention.c", "grouped_experts.c"})
+_EXACT_FLAGS = ["-fno-associative-math", "-fno-reciprocal-math"]
 # the kernels' threads are torch's OpenMP pool (parallel.h); a compiler without OpenMP, or a torch on
 # another OpenMP runtime than GNU's, gets kernels with threads of their own (see _openmp_flags)
 _OPENMP_FLAGS = ["-fopenmp"]
@@ -45,7 +51,8 @@ def _build(source_path: Path) -> Path:
     source = b"".join(p.read_bytes() for p in [source_path, *sorted(source_path.parent.glob("*.h"))])
     # -march=native: a build is for this CPU's instructions (a cache shared between hosts must not
     # hand an AVX-512 build to a CPU without them)
-    build = " ".join([*_FLAGS, *_openmp_flags(), *sorted(cpu_flags())])
+    flags = _flags(source_path.name)
+    build = " ".join([*flags, *_openmp_flags(), *sorted(cpu_flags())])
     digest = hashlib.sha256(source + build.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source_path.stem}-{digest}.so"
     if target.is_file():
@@ -57,15 +64,19 @@ def _build(source_path: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = Path(tmp) / target.name
         try:
-            _compile(compiler, [*_FLAGS, *_openmp_flags()], source_path, partial)
+            _compile(compiler, [*flags, *_openmp_flags()], source_path, partial)
         except subprocess.CalledProcessError as exc:
             if not _openmp_flags():
                 raise
             log.info("building %s without OpenMP: %s", source_path.name, exc.stderr.strip()[-500:])
-            _compile(compiler, _FLAGS, source_path, partial)
+            _compile(compiler, flags, source_path, partial)
         os.replace(partial, target)  # atomic: another process sees all of it or nothing
     log.info("built native kernel %s", target)
     return target
+
+
+def _flags(source_name: str) -> list[str]:
+    return [*_FLAGS, *_EXACT_FLAGS] if source_name in _EXACT_SOURCES else _FLAGS
 
 
 @cache

@@ -1,19 +1,18 @@
-/* Flash-style prefill attention for CPUs: the new queries of one sequence against its whole
- * context, K/V read in place from the block-structured cache (no gather copy, no mask tensor,
- * no [queries x keys] score matrix). Built at first use by kernels/__init__.py.
+/* Flash-style prefill attention for CPUs: the new queries of a step's sequences against their
+ * whole contexts, K/V read in place from the block-structured cache (no gather copy, no mask
+ * tensor, no [queries x keys] score matrix). Built at first use by kernels/__init__.py.
  *
- *   tm_prefill_attention_{bf16,f32}(q [Q, H, D], k, v [blocks, BS, KVH, D], table [blocks] i64,
- *                                   out [Q, H, D] f32, context_len, Q, H, KVH, D, BS, scale, threads)
- *   tm_prefill_attention_batch_{bf16,f32}(q [N, H, D], k, v, tables [S, W] i64, q_starts [S] i64,
- *                                         q_lens [S] i64, context_lens [S] i64, out [N, H, D] f32,
- *                                         S, W, H, KVH, D, BS, scale, threads)
- *       the same for S sequences at once, sequence s's queries being rows q_starts[s].. of q and out
- *       (rows of no sequence are left as they are).
- * Query i sits at position context_len - Q + i and sees keys 0..that position. Returns 0, -1
+ *   tm_prefill_attention_batch_{bf16,f32}(q [N, H, D], k, v [blocks, BS, KVH, D], tables [S, W] i64,
+ *                                         q_starts [S] i64, q_lens [S] i64, context_lens [S] i64,
+ *                                         out [N, H, D] f32, S, W, H, KVH, D, BS, scale, threads)
+ * Sequence s's Q = q_lens[s] queries are rows q_starts[s].. of q and out (rows of no sequence
+ * are left as they are); its query i sits at position context_lens[s] - Q + i and sees keys
+ * 0..that position, in the blocks tables[s]. Returns 0, -1
  * when scratch memory could not be allocated, -2 when this build or shape has no kernel
  * (AVX2+FMA and D a multiple of 16 up to 256 are required: the caller keeps its PyTorch path).
  *
- * Work is split into tasks of (KV head, block of query rows). A task's rows are the `group`
+ * Work is split into tasks of (KV head, block of query rows), or of a sequence's few rows over
+ * all its KV heads (decodes, when there are sequences enough for every thread). A task's rows are the `group`
  * query heads sharing that KV head, interleaved by position (row = i * group + g), so causal
  * masking skips whole key chunks per 6-row tile. For every 64-key chunk a task widens K
  * (transposed) and V to fp32 once, then per tile: scores in registers (6 rows x 16 keys),
@@ -250,6 +249,21 @@ static void tile_chunk(const float *q, const float *kt, const float *const *vrow
     }
 }
 
+/* q[r] = the scaled query of row r0 + r of KV head kh for r < n (zero for the padding rows up
+ * to `rows`), m[r] = MASKED: no key seen yet. */
+static void load_queries(const struct job *jb, int kh, int r0, int n, int rows, float *q, float *m) {
+    const int D = jb->D, H = jb->H, group = H / jb->KVH;
+    for (int r = 0; r < rows; r++) {
+        m[r] = MASKED;
+        if (r >= n) continue; /* padding rows: zero queries, outputs dropped */
+        const int rr = r0 + r, i = rr / group, h = kh * group + rr % group;
+        const int64_t at = ((int64_t)i * H + h) * D;
+        for (int d = 0; d < D; d++)
+            q[r * D + d] = jb->scale * (jb->bf16 ? bf16_to_f32(((const uint16_t *)jb->q)[at + d])
+                                                  : ((const float *)jb->q)[at + d]);
+    }
+}
+
 /* One task: the query rows [r0, r1) of KV heads [kh0, kh1), chunk by chunk, each chunk through
  * the heads in turn (a key's K and V rows of all heads lie together). Scratch is the task's own. */
 static int run_rows(const struct job *jb, int kh0, int kh1, int r0, int r1) {
@@ -263,18 +277,9 @@ static int run_rows(const struct job *jb, int kh0, int kh1, int r0, int r1) {
     memset(state, 0, sizeof(float) * heads * per_head);
     const int64_t first = jb->context_len - jb->qlen;
     for (int r = 0; r < tiles * MR; r++) pos[r] = first + (r0 + (r < n ? r : n - 1)) / group;
-    for (int kh = kh0; kh < kh1; kh++) {
-        float *q = state + (kh - kh0) * per_head, *m = q + 2 * rows_d;
-        for (int r = 0; r < tiles * MR; r++) {
-            m[r] = MASKED;
-            if (r >= n) continue; /* padding rows: zero queries, outputs dropped */
-            const int rr = r0 + r, i = rr / group, h = kh * group + rr % group;
-            const int64_t at = ((int64_t)i * H + h) * D;
-            for (int d = 0; d < D; d++)
-                q[r * D + d] = jb->scale * (jb->bf16 ? bf16_to_f32(((const uint16_t *)jb->q)[at + d])
-                                                      : ((const float *)jb->q)[at + d]);
-        }
-    }
+    for (int kh = kh0; kh < kh1; kh++)
+        load_queries(jb, kh, r0, n, tiles * MR, state + (kh - kh0) * per_head,
+                     state + (kh - kh0) * per_head + 2 * rows_d);
     const float *vrows[NK];
     for (int64_t c0 = 0; c0 <= pos[tiles * MR - 1]; c0 += NK)
         for (int kh = kh0; kh < kh1; kh++) {
@@ -311,29 +316,19 @@ static void run_task(void *ctx, int task) {
 
 /* Splits the job's rows into blocks of whole tiles: small enough to stay in L2, and enough of
  * them for every thread when the heads alone are too few. */
-static void plan_row_blocks(struct job *jb, int threads) {
+static void plan_row_blocks(struct job *jb, int threads, int sequences) {
     const int rows = jb->qlen * (jb->H / jb->KVH);
     int per_block = ROW_BLOCK_BYTES / (int)(2 * sizeof(float) * jb->D) / MR * MR;
     while (per_block > MR && (int64_t)jb->KVH * ((rows + per_block - 1) / per_block) < threads) per_block -= MR;
     jb->rows_per_block = per_block;
     jb->blocks_per_head = (rows + per_block - 1) / per_block;
-    /* a decode's few rows: one task for all the heads, which read each key's rows together */
-    jb->heads_per_task = jb->blocks_per_head == 1 && rows <= MR ? jb->KVH : 1;
+    /* a decode's few rows: one task for all the heads, which read each key's rows together,
+     * when the step's sequences alone give every thread work */
+    jb->heads_per_task = jb->blocks_per_head == 1 && rows <= MR && sequences >= threads ? jb->KVH : 1;
 }
 
 static int job_tasks(const struct job *jb) {
     return jb->KVH / jb->heads_per_task * jb->blocks_per_head;
-}
-
-static int prefill(const void *q, const void *k, const void *v, const int64_t *table, float *out,
-                   int64_t context_len, int qlen, int H, int KVH, int D, int BS, float scale, int threads, int bf16) {
-    if (D % 16 || D > MAX_D || KVH <= 0 || H % KVH || qlen <= 0 || context_len < qlen) return -2;
-    struct job jb = {.q = q, .k = k, .v = v, .table = table, .out = out, .context_len = context_len,
-                     .qlen = qlen, .H = H, .KVH = KVH, .D = D, .BS = BS, .bf16 = bf16, .scale = scale};
-    atomic_init(&jb.failed, 0);
-    plan_row_blocks(&jb, threads);
-    parallel_for(run_task, &jb, job_tasks(&jb), threads < 1 ? 1 : threads);
-    return atomic_load(&jb.failed) ? -1 : 0;
 }
 
 /* Several sequences in one call: each its own job, their tasks shared out together. */
@@ -363,7 +358,7 @@ static int prefill_batch(const void *q, const void *k, const void *v, const int6
                            .out = out + q_starts[s] * H * D, .context_len = context_lens[s], .qlen = (int)q_lens[s],
                            .H = H, .KVH = KVH, .D = D, .BS = BS, .bf16 = bf16, .scale = scale};
         atomic_init(&jb->failed, 0);
-        plan_row_blocks(jb, threads);
+        plan_row_blocks(jb, threads, S);
         tasks += job_tasks(jb);
     }
     b.task_job = malloc(sizeof(int) * tasks);
@@ -380,12 +375,6 @@ done:
 }
 #else
 /* no vector build: the caller keeps its PyTorch path */
-static int prefill(const void *q, const void *k, const void *v, const int64_t *table, float *out,
-                   int64_t context_len, int qlen, int H, int KVH, int D, int BS, float scale, int threads, int bf16) {
-    (void)q; (void)k; (void)v; (void)table; (void)out; (void)context_len; (void)qlen; (void)H;
-    (void)KVH; (void)D; (void)BS; (void)scale; (void)threads; (void)bf16;
-    return -2;
-}
 static int prefill_batch(const void *q, const void *k, const void *v, const int64_t *tables, const int64_t *q_starts,
                          const int64_t *q_lens, const int64_t *context_lens, float *out, int S, int W, int H,
                          int KVH, int D, int BS, float scale, int threads, int bf16) {
@@ -394,18 +383,6 @@ static int prefill_batch(const void *q, const void *k, const void *v, const int6
     return -2;
 }
 #endif
-
-int tm_prefill_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *table,
-                              float *out, int64_t context_len, int qlen, int H, int KVH, int D, int BS,
-                              float scale, int threads) {
-    return prefill(q, k, v, table, out, context_len, qlen, H, KVH, D, BS, scale, threads, 1);
-}
-
-int tm_prefill_attention_f32(const float *q, const float *k, const float *v, const int64_t *table,
-                             float *out, int64_t context_len, int qlen, int H, int KVH, int D, int BS,
-                             float scale, int threads) {
-    return prefill(q, k, v, table, out, context_len, qlen, H, KVH, D, BS, scale, threads, 0);
-}
 
 int tm_prefill_attention_batch_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int64_t *tables,
                                     const int64_t *q_starts, const int64_t *q_lens, const int64_t *context_lens,

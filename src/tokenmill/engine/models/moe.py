@@ -10,10 +10,12 @@ The experts run on one of three paths, chosen per call:
 - **plain** `F.linear` per expert: everything else (autograd, other devices, no kernels).
 All three compute the same function; the native path keeps its sums in fp32 throughout.
 
+The router's gate is a `NativeLinear` too: at decode sizes its scores come from the native
+kernel, as the dense layers' do.
+
 `batch_invariant` makes a token's output independent of the other tokens in the call: the
 native path for every batch (a token's experts summed in expert order, each matmul in one fixed
-order), the router's scores through the native kernel too, and ties in the top-k broken by the
-lower expert id.
+order; the gate's too), and ties in the top-k broken by the lower expert id.
 """
 from __future__ import annotations
 
