@@ -20,7 +20,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 def build_without_avx512(source_name: str, out_dir: Path) -> ctypes.CDLL:
     """The kernels of `source_name` as a CPU with AVX2 but no AVX-512 runs them."""
     return _build(source_name, out_dir / source_name.replace(".c", "-avx2.so"),
-                  [*kernels._FLAGS, *kernels._openmp_flags(), "-mno-avx512f"])
+                  [*kernels._flags(source_name), *kernels._openmp_flags(), "-mno-avx512f"])
 
 
 def _build(source_name: str, out: Path, flags: list[str]) -> ctypes.CDLL:
@@ -60,11 +60,12 @@ def test_prefill_attention_gives_the_same_bits_with_and_without_avx512(dtype: to
     table = torch.randperm(blocks, generator=g)[:10].to(torch.int64).contiguous()
     native = prefill_attention.prefill_attention(q, k, v, table, context, 0.125)
     lib = build_without_avx512("prefill_attention.c", tmp_path)
-    fn = lib.tm_prefill_attention_bf16 if dtype == torch.bfloat16 else lib.tm_prefill_attention_f32
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+    fn = lib.tm_prefill_attention_batch_bf16 if dtype == torch.bfloat16 else lib.tm_prefill_attention_batch_f32
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    starts, lens, contexts = (torch.tensor([n], dtype=torch.int64) for n in (0, queries, context))
     out = torch.empty(queries, heads, dim)
-    assert fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), out.data_ptr(), context, queries, heads,
-              kv_heads, dim, block_size, 0.125, 2) == 0
+    assert fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), table.data_ptr(), starts.data_ptr(), lens.data_ptr(),
+              contexts.data_ptr(), out.data_ptr(), 1, table.numel(), heads, kv_heads, dim, block_size, 0.125, 2) == 0
     assert torch.equal(out, native)
 
 
@@ -76,7 +77,7 @@ def test_the_build_without_openmp_threads_its_own_way_to_the_same_bits(dtype: to
     x = torch.randn(12, 512, generator=g)
     weight = (torch.randn(4096, 512, generator=g) / 20).to(dtype)
     packed = grouped_experts.pack_panels(weight)
-    lib = _build("grouped_experts.c", tmp_path / "grouped_experts-pthreads.so", kernels._FLAGS)
+    lib = _build("grouped_experts.c", tmp_path / "grouped_experts-pthreads.so", kernels._flags("grouped_experts.c"))
     assert torch.equal(_linear_with(lib, x, packed, 4096), grouped_experts.linear(x, packed, 4096))
 
 

@@ -13,7 +13,7 @@ from tokenmill.cli import add_subcommands
 
 # (name, module, one-line help)
 BENCHMARKS: tuple[tuple[str, str, str], ...] = (
-    ("engine", "tokenmill.bench.engine.engine_bench",
+    ("engine", "tokenmill.bench.engine.engine_cli",
      "embedded engine vs transformers generate(), with the decode step's memory floor"),
     ("serve", "tokenmill.bench.serving.serve_bench",
      "load generator: fixed concurrency, Poisson rate or Mooncake trace replay against an OpenAI server"),

@@ -8,13 +8,17 @@ side's tokens and seconds summed over the rounds; its mean decode step over the 
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.engine.engine_bench import EngineBenchConfig, make_workload, run_tokenmill, warm_up
+
+log = logging.getLogger(__name__)
 
 SIDES = ("default", "deterministic")
 
@@ -99,3 +103,18 @@ def render(report: DeterministicReport) -> None:
 def write_json(report: DeterministicReport, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    fields = EngineBenchConfig.__dataclass_fields__
+    try:
+        cfg = EngineBenchConfig(**{name: getattr(args, name) for name in fields})
+        report = run_deterministic_bench(cfg, args.rounds)
+    except (ValueError, FileNotFoundError) as exc:
+        log.error("bench engine --deterministic: %s", exc)
+        return 2
+    render(report)
+    if cfg.json_path:
+        write_json(report, cfg.json_path)
+        log.info("wrote %s", cfg.json_path)
+    return 0

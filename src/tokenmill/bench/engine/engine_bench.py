@@ -270,10 +270,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     parser.add_argument("--hf-max-requests", type=int, default=None,
                         help="run transformers on the first N requests only (whole batches)")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="instead: the engine with --deterministic against the default engine, the same "
-                             "workloads in turn (a new one each round), and the ratio of their output tok/s")
-    parser.add_argument("--rounds", type=int, default=2, help="with --deterministic: workloads run on both sides")
     parser.add_argument("--profile", action="store_true",
                         help="then re-run the first requests with a per-operator breakdown of decode and "
                              "prefill steps (attention, experts, dense, sampling, scheduling, engine)")
@@ -283,8 +279,6 @@ def run(args: argparse.Namespace) -> int:
     fields = EngineBenchConfig.__dataclass_fields__
     try:
         cfg = EngineBenchConfig(**{name: getattr(args, name) for name in fields})
-        if args.deterministic:
-            return _run_deterministic(cfg, args.rounds)
         report = run_engine_bench(cfg)
     except (ValueError, FileNotFoundError) as exc:
         log.error("bench engine: %s", exc)
@@ -294,16 +288,5 @@ def run(args: argparse.Namespace) -> int:
         render_profile(report.profile)
     if cfg.json_path:
         write_json(report, cfg.json_path)
-        log.info("wrote %s", cfg.json_path)
-    return 0
-
-
-def _run_deterministic(cfg: EngineBenchConfig, rounds: int) -> int:
-    from tokenmill.bench.engine import deterministic_bench
-
-    report = deterministic_bench.run_deterministic_bench(cfg, rounds)
-    deterministic_bench.render(report)
-    if cfg.json_path:
-        deterministic_bench.write_json(report, cfg.json_path)
         log.info("wrote %s", cfg.json_path)
     return 0
