@@ -201,7 +201,8 @@ def _layer_destination(rest: str, p: str, params: dict[str, torch.nn.Parameter],
 
 def prepack_weights(model: nn.Module, batch_invariant: bool = False) -> None:
     """Pack every MoE layer's expert weights and every native linear's weight (a no-op where
-    packing does not apply); after the weights are loaded, so that no request pays for it."""
+    packing does not apply); after the weights are loaded, so that no request pays for it. Each
+    of those modules takes `batch_invariant` here too."""
     for module in model.modules():
         if isinstance(module, (SparseMoE, NativeLinear)):
             module.batch_invariant = batch_invariant
