@@ -1,6 +1,6 @@
 """A worker's rank group (`engine/parallel/group.py`): the same exact results through shared
-memory and through gloo (and gloo for what does not fit a shared slot), no segment left in
-/dev/shm, and a peer that dies mid-collective fails it instead of hanging it."""
+memory and through gloo (and past a shared slot), sums in rank order whatever their size, no
+segment left in /dev/shm, and a peer that dies mid-collective fails it instead of hanging it."""
 from __future__ import annotations
 
 import os
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.rank_peer import exercise
+from tests.engine.rank_peer import exercise, sums_in_rank_order
 from tokenmill.engine.parallel import shm_collectives
 from tokenmill.engine.parallel.group import RankGroup
 
@@ -48,6 +48,24 @@ def test_every_rank_gets_the_exact_results(shared_memory: bool, monkeypatch: pyt
             assert peer.wait(timeout=60) == 0
     finally:
         shm_collectives._library.cache_clear()
+
+
+def test_sums_are_in_rank_order_whatever_their_size_with_three_ranks() -> None:
+    """What a row of a --deterministic --tp 3 worker needs: its partial sums add up the same in a
+    long prompt chunk's tensor (past a shared slot) as in a decode step's."""
+    store = RankGroup.listen(3)
+    peers = [subprocess.Popen([sys.executable, "-m", "tests.engine.rank_peer", str(store.port), "order", "3", str(r)],
+                              cwd=ROOT) for r in (1, 2)]
+    try:
+        group = RankGroup(0, 3, store.port, store=store)
+        assert group.shm is not None
+        sums_in_rank_order(group)
+        assert [p.wait(timeout=60) for p in peers] == [0, 0]
+    finally:
+        for p in peers:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
 
 def test_a_peer_killed_during_a_collective_fails_it() -> None:

@@ -8,8 +8,9 @@ live in one process (the tests do) and nothing global is mutated. A collective w
 `timeout`: a rank whose peer died raises instead of hanging.
 
 The collectives themselves go through shared memory when the native rank sync builds
-(`shm_collectives.py`, ~100× less latency than gloo over loopback here); gloo carries the
-setup and any message larger than a shared slot.
+(`shm_collectives.py`, ~100× less latency than gloo over loopback here), and sum in rank
+order: sums larger than a slot go through it a slot at a time. Gloo carries the setup and
+all-gathers larger than a slot (and everything where the rank sync does not build).
 """
 from __future__ import annotations
 
@@ -100,14 +101,27 @@ class RankGroup:
     def _collective(self, t: torch.Tensor, name: str,
                     gloo: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Through shared memory when `t` fits a slot (the same answer on every rank: the shapes
-        agree), else through gloo; timed for `collective_seconds`."""
+        agree), a sum larger than a slot through shared memory slot by slot, else through gloo;
+        timed for `collective_seconds`."""
         started = time.perf_counter()
         if self.shm is not None and self.shm.fits(t.numel() * 4):
             out = getattr(self.shm, name)(t)
+        elif self.shm is not None and name != "all_gather":
+            out = self._sum_by_slots(t, name)
         else:
             out = gloo(t.float().contiguous())
         self.collective_seconds += time.perf_counter() - started
         return out
+
+    def _sum_by_slots(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """The all-reduce (or reduce-scatter) of a `t` larger than a slot, a slot's worth at a time:
+        every element summed in rank order, as in one slot. (Gloo's ring would start each part of
+        the tensor at another rank, so an element's sum would follow the tensor's size: a row of a
+        long prompt chunk would differ in its last bits from the same row in a decode step.)"""
+        flat, step = t.reshape(-1), shm_collectives.SLOT_BYTES // 4
+        total = torch.cat([self.shm.all_reduce(flat[i:i + step]) for i in range(0, flat.numel(), step)])
+        total = total.view(t.shape)
+        return total if name == "all_reduce" else total.chunk(self.world)[self.rank].clone()
 
     def _gloo_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self.group.allreduce([t]).wait()
