@@ -160,3 +160,19 @@ def test_workload_longer_than_the_context_is_refused(tiny_moe: Path, tmp_path: P
     with pytest.raises(ValueError, match="--max-prompt"):
         run_engine_bench(tiny_config(tiny_moe, tmp_path / "o.json", min_prompt=8, max_prompt=4000,
                                      min_output=8, max_output=4000, skip_hf=True))
+
+
+def test_the_deterministic_comparison_runs_both_sides_on_the_same_workloads(tiny_moe: Path, tmp_path: Path) -> None:
+    out = tmp_path / "det.json"
+    assert main(["bench", "engine", "--deterministic", "--model", str(tiny_moe), "--json", str(out),
+                 "--num-requests", "4", "--min-prompt", "4", "--max-prompt", "24", "--min-output", "2", "--max-output", "6",
+                 "--dtype", "float32", "--rounds", "2", "--kv-cache-gb", "0.01"]) == 0
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert [(r["round"], r["side"]) for r in runs] == [(0, "default"), (0, "deterministic"),
+                                                       (1, "deterministic"), (1, "default")]
+    for i in (0, 1):  # each round's workload, the same on both sides
+        assert len({r["output_tokens"] for r in runs if r["round"] == i}) == 1
+    assert report["output_tokens_per_s_ratio"] > 0 and report["decode_step_ratio"] > 0
+    assert main(["bench", "engine", "--deterministic", "--model", str(tiny_moe), "--json", str(out),
+                 "--rounds", "0"]) == 2

@@ -78,15 +78,15 @@ def paged_attention(
     d = batch.decode
     if d is not None and not batch.spans and d.rows.numel() == tokens:  # rows 0..tokens-1: no gather
         return _decode_attention(q, kv_layer, d, scale).view(tokens, heads * dim)
-    native_spans = batch.native_prefill and q.is_cpu and bool(batch.spans)
-    if native_spans:  # every span in one call; the decode rows are filled in below
+    by_kernel = batch.native_prefill and q.is_cpu and bool(batch.spans)
+    if by_kernel:  # every span in one call; the decode rows are filled in below
         spans = batch.native_spans(kv_layer.shape[2])
         out = prefill_attention_batch(q, kv_layer[0], kv_layer[1], spans, scale).to(q.dtype)
     else:
         out = q.new_empty(tokens, heads, dim)
     if d is not None:
         out.index_copy_(0, d.rows, _decode_attention(q.index_select(0, d.rows), kv_layer, d, scale))
-    for span in [] if native_spans else batch.spans:
+    for span in [] if by_kernel else batch.spans:
         rows = slice(span.query_start, span.query_start + span.query_len)
         k, v = _gather_context(kv_layer, span)
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, qlen, dim]

@@ -24,6 +24,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from tokenmill.bench.harness.checkpoint import model_or_small_moe
 from tokenmill.bench.harness.serve_process import ServeProcess, running_server
 
 log = logging.getLogger(__name__)
@@ -110,10 +111,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="tokenmill-choices-") as tmp:
         work = Path(tmp)
-        if args.model is None:
-            from tokenmill.engine.make_model import write_model
-
-            args.model = str(write_model("small-moe", work / "small-moe", seed=0))
+        args.model = model_or_small_moe(args.model, work)
         flags = ["--model", args.model, "--served-model-name", "choices", "--router", "kv"]
         flags += ["--threads", str(args.threads)] if args.threads else []
         with running_server(flags, 1, work / "run", work / "serve.log") as server:

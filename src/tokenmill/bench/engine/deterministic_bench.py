@@ -58,15 +58,9 @@ class DeterministicReport:
 
 
 def run_deterministic_bench(cfg: EngineBenchConfig, rounds: int) -> DeterministicReport:
-    from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.llm_engine import LLMEngine
-
     if rounds <= 0:
         raise ValueError(f"--rounds must be positive, got {rounds}")
-    engines = {side: LLMEngine(EngineConfig(
-        model=cfg.model, dtype=cfg.dtype, threads=cfg.threads, max_num_seqs=cfg.max_num_seqs, tp=cfg.tp, ep=cfg.ep,
-        attention_dp=cfg.attention_dp, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        deterministic=side == "deterministic")) for side in SIDES}
+    engines = {side: cfg.engine(deterministic=side == "deterministic") for side in SIDES}
     try:
         first = engines["default"]
         special = first.tokenizer.special_token_ids if first.tokenizer else frozenset()

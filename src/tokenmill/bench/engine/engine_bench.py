@@ -60,6 +60,7 @@ class EngineBenchConfig:
     skip_hf: bool = False
     hf_max_requests: int | None = None
     profile: bool = False
+    kv_cache_gb: float | None = None  # the engine's KV pool (None: its default)
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -74,8 +75,20 @@ class EngineBenchConfig:
             if getattr(self, low) > getattr(self, high):
                 raise ValueError(f"--{high.replace('_', '-')} ({getattr(self, high)}) is below "
                                  f"--{low.replace('_', '-')} ({getattr(self, low)})")
-        if self.hf_max_requests is not None and self.hf_max_requests <= 0:
-            raise ValueError(f"--hf-max-requests must be positive, got {self.hf_max_requests}")
+        for name in ("hf_max_requests", "kv_cache_gb"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+    def engine(self, deterministic: bool = False) -> Any:
+        """The `LLMEngine` this run measures (imported here: torch only where an engine runs)."""
+        from tokenmill.engine.config import EngineConfig
+        from tokenmill.engine.llm_engine import LLMEngine
+
+        return LLMEngine(EngineConfig(model=self.model, dtype=self.dtype, threads=self.threads,
+                                      max_num_seqs=self.max_num_seqs, tp=self.tp, ep=self.ep,
+                                      attention_dp=self.attention_dp,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      kv_cache_gb=self.kv_cache_gb, deterministic=deterministic))
 
 
 @dataclass(slots=True)
@@ -196,14 +209,9 @@ def measure_matmul_gflops(threads: int, dtype: str) -> float:
 
 
 def run_engine_bench(cfg: EngineBenchConfig) -> EngineBenchReport:
-    from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.engine.parallel.ranks import ParallelRunner
 
-    engine = LLMEngine(EngineConfig(model=cfg.model, dtype=cfg.dtype, threads=cfg.threads,
-                                    max_num_seqs=cfg.max_num_seqs, tp=cfg.tp, ep=cfg.ep,
-                                    attention_dp=cfg.attention_dp,
-                                    max_num_batched_tokens=cfg.max_num_batched_tokens))
+    engine = cfg.engine()
     _check_fits(cfg, engine.max_model_len)
     special = engine.tokenizer.special_token_ids if engine.tokenizer else frozenset()
     workload = make_workload(cfg, engine.model_config.vocab_size, special)
@@ -270,6 +278,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     parser.add_argument("--hf-max-requests", type=int, default=None,
                         help="run transformers on the first N requests only (whole batches)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None, help="the engine's KV pool in GiB (default 1)")
     parser.add_argument("--profile", action="store_true",
                         help="then re-run the first requests with a per-operator breakdown of decode and "
                              "prefill steps (attention, experts, dense, sampling, scheduling, engine)")

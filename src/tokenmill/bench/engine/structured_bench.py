@@ -23,6 +23,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from tokenmill.bench.harness.checkpoint import model_or_small_moe
+
 SCHEMA_NAME, SCHEMA_VERSION = "tokenmill.bench.structured", 1
 WAYS = ("plain", "json_schema")
 
@@ -136,10 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm_engine import LLMEngine
 
     with tempfile.TemporaryDirectory(prefix="tokenmill-structured-") as tmp:
-        if args.model is None:
-            from tokenmill.engine.make_model import write_model
-
-            args.model = str(write_model("small-moe", Path(tmp) / "small-moe", seed=0))
+        args.model = model_or_small_moe(args.model, Path(tmp))
         engine = LLMEngine(EngineConfig(model=args.model, threads=args.threads,
                                         max_num_seqs=max(args.batch, 1)))
         report = _report(_measure(engine, args), args)

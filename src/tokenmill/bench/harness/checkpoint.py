@@ -33,3 +33,12 @@ def fit_context(model: Path, needed: int, owned: bool) -> None:
     tok["model_max_length"] = context  # else every long prompt logs transformers' length warning
     tok_path.write_text(json.dumps(tok, indent=2), encoding="utf-8")
     log.info("raised %s's context to %d tokens (mock runner: weights are never read)", model, context)
+
+
+def model_or_small_moe(model: str | None, work: Path) -> str:
+    """`--model` as given, or (none given) a fresh random-weight small-moe written under `work`."""
+    if model is not None:
+        return model
+    from tokenmill.engine.make_model import write_model
+
+    return str(write_model("small-moe", work / "small-moe", seed=0))

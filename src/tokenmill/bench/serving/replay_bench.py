@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from tokenmill.bench.harness.checkpoint import model_or_small_moe
 from tokenmill.bench.harness.serve_process import running_server
 
 log = logging.getLogger(__name__)
@@ -125,10 +126,7 @@ def run(args: argparse.Namespace) -> int:
     model_name = args.model or "small-moe (make-model, seed 0)"
     with tempfile.TemporaryDirectory(prefix="tokenmill-replay-") as tmp:
         work = Path(tmp)
-        if args.model is None:
-            from tokenmill.engine.make_model import write_model
-
-            args.model = str(write_model("small-moe", work / "small-moe", seed=0))
+        args.model = model_or_small_moe(args.model, work)
         bodies = requests(args.requests)
         results = [run_side(side, args, bodies, work) for side in sides]
     _print(results)

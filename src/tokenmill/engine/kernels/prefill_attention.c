@@ -178,15 +178,15 @@ static inline __m256 load8_as_f32(const struct job *jb, const void *base, int64_
     return jb->bf16 ? widen8_bf16((const uint16_t *)base + at) : _mm256_loadu_ps((const float *)base + at);
 }
 
-/* The next chunk's key t: its K and V rows are scattered through the pool (a block of BS keys
- * here, the next elsewhere), which the hardware prefetcher does not follow. */
+/* Key t of a later chunk (the caller asks two chunks ahead): its K and V rows are scattered
+ * through the pool (a block of BS keys here, the next elsewhere), which the hardware prefetcher
+ * does not follow. */
 static inline void prefetch_key(const struct job *jb, int kh, int64_t t) {
     if (t >= jb->context_len) return;
-    const size_t bytes = (size_t)jb->D * (jb->bf16 ? sizeof(uint16_t) : sizeof(float));
+    const int64_t elem = jb->bf16 ? sizeof(uint16_t) : sizeof(float), bytes = jb->D * elem;
     const int64_t at = (jb->table[t / jb->BS] * jb->BS + t % jb->BS) * (int64_t)jb->KVH * jb->D + kh * jb->D;
-    const char *k = (const char *)jb->k + at * (int64_t)(bytes / jb->D);
-    const char *v = (const char *)jb->v + at * (int64_t)(bytes / jb->D);
-    for (size_t off = 0; off < bytes; off += 64) {
+    const char *k = (const char *)jb->k + at * elem, *v = (const char *)jb->v + at * elem;
+    for (int64_t off = 0; off < bytes; off += 64) {
         __builtin_prefetch(k + off, 0, 3);
         __builtin_prefetch(v + off, 0, 3);
     }
