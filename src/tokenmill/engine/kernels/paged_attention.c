@@ -22,13 +22,19 @@
 #include "vector_math.h"
 
 /* Blocks of one sequence are scattered through the pool, so the hardware prefetcher loses the
- * stream at every block boundary: the kernels ask for the next block explicitly. This fetches
- * slice `part` of `parts` of the `bytes` at p (NULL: nothing to fetch); a whole block is slice
- * 0 of 1. */
-static inline void prefetch_slice(const void *p, int64_t bytes, int part, int parts) {
-    if (p == NULL) return;
-    for (int64_t off = part * bytes / parts; off < (part + 1) * bytes / parts; off += 64)
-        __builtin_prefetch((const char *)p + off, 0, 3);
+ * stream at every block boundary: the kernels ask for the next block explicitly, through a
+ * cursor over its lines (NULL: nothing to fetch) whose `steps` steps fetch all of it. */
+struct ahead { const char *p, *end; int per_step; };
+static inline __attribute__((always_inline)) void ahead_step(struct ahead *a) {
+    for (int i = 0; i < a->per_step && a->p < a->end; i++, a->p += 64) __builtin_prefetch(a->p, 0, 3);
+}
+static inline struct ahead ahead_of(const char *p, int64_t bytes, int64_t steps) {
+    struct ahead a = {p, p ? p + bytes : p, p ? (int)(((bytes + 63) / 64 + steps - 1) / steps) : 0};
+    return a;
+}
+static inline void fetch_block(const void *p, int64_t bytes) {
+    struct ahead a = ahead_of(p, bytes, 1);
+    ahead_step(&a);
 }
 
 /* One sequence: qf [H, D] (scaled, fp32), its block table, `scores` [H, len] scratch, out [H, D]. */
@@ -47,8 +53,7 @@ static void NAME(SEQ_ARGS(T)) {                                                 
     for (int64_t t = 0; t < len; t++) {                                                       \
         const T *krow = k + (table[t / BS] * BS + t % BS) * (int64_t)KVH * D;                 \
         if (t % BS == 0 && t + BS < len)                                                      \
-            prefetch_slice(k + table[t / BS + 1] * BS * (int64_t)KVH * D,                     \
-                           BS * KVH * D * (int64_t)sizeof(T), 0, 1);                          \
+            fetch_block(k + table[t / BS + 1] * BS * (int64_t)KVH * D, BS * KVH * D * (int64_t)sizeof(T)); \
         for (int kh = 0; kh < KVH; kh++) {                                                    \
             float kf[256];                                                                    \
             for (int d = 0; d < D; d++) kf[d] = LOAD(krow[kh * D + d]);                       \
@@ -73,8 +78,7 @@ static void NAME(SEQ_ARGS(T)) {                                                 
     for (int64_t t = 0; t < len; t++) {                                                       \
         const T *vrow = v + (table[t / BS] * BS + t % BS) * (int64_t)KVH * D;                 \
         if (t % BS == 0 && t + BS < len)                                                      \
-            prefetch_slice(v + table[t / BS + 1] * BS * (int64_t)KVH * D,                     \
-                           BS * KVH * D * (int64_t)sizeof(T), 0, 1);                          \
+            fetch_block(v + table[t / BS + 1] * BS * (int64_t)KVH * D, BS * KVH * D * (int64_t)sizeof(T)); \
         for (int kh = 0; kh < KVH; kh++) {                                                    \
             float vf[256];                                                                    \
             for (int d = 0; d < D; d++) vf[d] = LOAD(vrow[kh * D + d]);                       \
@@ -107,15 +111,18 @@ DEFINE_KERNEL(generic_f32, float, LOAD_F32)
  * stored all 12 to the stack on every token and pass 2 ran at half speed. */
 #define UNROLL _Pragma("GCC unroll 4")
 
-/* The next block is fetched a slice per KV head, between the computations, rather than in one
- * burst at the block's start: a burst fills the load queue that the block being computed needs,
- * so reading and computing did not overlap. Spread out, a decode step's attention took ~25%
- * less time on one thread and on two (two blocks ahead, or non-temporal hints, measured no
- * better). */
+/* The next block is fetched a few lines at a time, between the loads of the block being computed
+ * (a tile's dims in pass 1, its rows in pass 2). In bursts, even a slice per KV head, prefetches
+ * filled the miss buffers the block being computed needed and stalled there. Spread out, decode
+ * attention took ~20% less time on one thread (two blocks ahead measured no better). */
 #define AHEAD 1
 
+/* The empty asm keeps the vector in a register: GCC would fold the load into every FMA using it,
+ * loading it once per head (AMD cores have fewer load slots than FMA slots a cycle). */
 static inline __attribute__((always_inline)) __m256 load8(const char *p, const int bf16) {
-    return bf16 ? widen8_bf16((const uint16_t *)p) : _mm256_loadu_ps((const float *)p);
+    __m256 x = bf16 ? widen8_bf16((const uint16_t *)p) : _mm256_loadu_ps((const float *)p);
+    __asm__("" : "+x"(x));
+    return x;
 }
 
 /* lane i = the sum of a_i's eight lanes, added in the same order for every i: a score does not
@@ -153,13 +160,14 @@ static void softmax_row(float *s, int64_t n) {
  * at tok[i] (this KV head's slice of each); the first n are stored */
 static inline __attribute__((always_inline)) void qk_tile(const float *qh, const char *const tok[TILE_TOKENS],
                                                           const int nh, int n, int D, int64_t len, float *dst,
-                                                          const int bf16) {
+                                                          const int bf16, struct ahead *pf) {
     __m256 acc[HEADS][TILE_TOKENS];
     UNROLL for (int j = 0; j < nh; j++)
         UNROLL for (int i = 0; i < TILE_TOKENS; i++) acc[j][i] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
+        ahead_step(pf);
         __m256 qv[HEADS];
-        UNROLL for (int j = 0; j < nh; j++) qv[j] = _mm256_loadu_ps(qh + j * D + d);
+        UNROLL for (int j = 0; j < nh; j++) qv[j] = load8((const char *)(qh + j * D + d), 0);
         UNROLL for (int i = 0; i < TILE_TOKENS; i++) {
             const __m256 kv = load8(tok[i] + d * (bf16 ? 2 : 4), bf16);
             UNROLL for (int j = 0; j < nh; j++) acc[j][i] = _mm256_fmadd_ps(qv[j], kv, acc[j][i]);
@@ -182,11 +190,12 @@ static inline __attribute__((always_inline)) void qk_tile(const float *qh, const
  * across the rows, each head's added in token order */
 static inline __attribute__((always_inline)) void pv_tile(const char *vrows, int64_t row, int n, const float *p,
                                                           int64_t len, const int nh, const int nc, float *out,
-                                                          int D, const int bf16) {
+                                                          int D, const int bf16, struct ahead *pf) {
     __m256 acc[HEADS][4];
     UNROLL for (int j = 0; j < nh; j++)
         UNROLL for (int c = 0; c < nc; c++) acc[j][c] = _mm256_loadu_ps(out + j * D + 8 * c);
     for (int t = 0; t < n; t++) {
+        ahead_step(pf);
         const char *vr = vrows + t * row;
         __m256 pj[HEADS];
         UNROLL for (int j = 0; j < nh; j++) pj[j] = _mm256_broadcast_ss(p + j * len + t);
@@ -201,22 +210,22 @@ static inline __attribute__((always_inline)) void pv_tile(const char *vrows, int
 
 /* One compiled tile per shape: the register counts must be constants. */
 static void qk_any(const float *qh, const char *const tok[TILE_TOKENS], int nh, int n, int D, int64_t len,
-                   float *dst, int bf16) {
+                   float *dst, int bf16, struct ahead *pf) {
     switch (nh * 2 + bf16) {
-    case 2: qk_tile(qh, tok, 1, n, D, len, dst, 0); break;
-    case 3: qk_tile(qh, tok, 1, n, D, len, dst, 1); break;
-    case 4: qk_tile(qh, tok, 2, n, D, len, dst, 0); break;
-    case 5: qk_tile(qh, tok, 2, n, D, len, dst, 1); break;
-    case 6: qk_tile(qh, tok, 3, n, D, len, dst, 0); break;
-    default: qk_tile(qh, tok, 3, n, D, len, dst, 1); break;
+    case 2: qk_tile(qh, tok, 1, n, D, len, dst, 0, pf); break;
+    case 3: qk_tile(qh, tok, 1, n, D, len, dst, 1, pf); break;
+    case 4: qk_tile(qh, tok, 2, n, D, len, dst, 0, pf); break;
+    case 5: qk_tile(qh, tok, 2, n, D, len, dst, 1, pf); break;
+    case 6: qk_tile(qh, tok, 3, n, D, len, dst, 0, pf); break;
+    default: qk_tile(qh, tok, 3, n, D, len, dst, 1, pf); break;
     }
 }
 
 #define PV_CASE(NH, NC)                                                                       \
-    case NH * 8 + NC * 2:     pv_tile(vrows, row, n, p, len, NH, NC, out, D, 0); break;       \
-    case NH * 8 + NC * 2 + 1: pv_tile(vrows, row, n, p, len, NH, NC, out, D, 1); break;
+    case NH * 8 + NC * 2:     pv_tile(vrows, row, n, p, len, NH, NC, out, D, 0, pf); break;       \
+    case NH * 8 + NC * 2 + 1: pv_tile(vrows, row, n, p, len, NH, NC, out, D, 1, pf); break;
 static void pv_any(const char *vrows, int64_t row, int n, const float *p, int64_t len, int nh, int nc,
-                   float *out, int D, int bf16) {
+                   float *out, int D, int bf16, struct ahead *pf) {
     switch (nh * 8 + nc * 2 + bf16) {
     PV_CASE(1, 1) PV_CASE(1, 2) PV_CASE(1, 3) PV_CASE(1, 4)
     PV_CASE(2, 1) PV_CASE(2, 2) PV_CASE(2, 3) PV_CASE(2, 4)
@@ -239,13 +248,13 @@ static void avx2_scores(const float *qf, const char *k, const int64_t *table, in
         }
         const int64_t ahead = t0 + AHEAD * BS;  /* the same tokens' rows one block ahead */
         const char *next = ahead < len ? k + (table[ahead / BS] * BS + ahead % BS) * row : NULL;
+        struct ahead pf = ahead_of(next, TILE_TOKENS * row, (int64_t)KVH * ((group + HEADS - 1) / HEADS) * (D / 8));
         for (int kh = 0; kh < KVH; kh++) {
             const char *rows[TILE_TOKENS];
             for (int i = 0; i < TILE_TOKENS; i++) rows[i] = tok[i] + (int64_t)kh * D * size;
-            prefetch_slice(next, TILE_TOKENS * row, kh, KVH);
             for (int g0 = 0; g0 < group; g0 += HEADS) {
                 const int h = kh * group + g0;
-                qk_any(qf + h * D, rows, min_int(HEADS, group - g0), n, D, len, scores + h * len + t0, bf16);
+                qk_any(qf + h * D, rows, min_int(HEADS, group - g0), n, D, len, scores + h * len + t0, bf16, &pf);
             }
         }
     }
@@ -260,13 +269,13 @@ static void avx2_values(const char *v, const int64_t *table, int64_t len, const 
         const char *vblock = v + table[t0 / BS] * BS * row;
         const int n = min_int(BS, len - t0);
         const char *next = t0 + AHEAD * BS < len ? v + table[t0 / BS + AHEAD] * BS * row : NULL;
+        struct ahead pf = ahead_of(next, BS * row, (int64_t)KVH * ((group + HEADS - 1) / HEADS) * ((D + 31) / 32) * n);
         for (int kh = 0; kh < KVH; kh++) {
-            prefetch_slice(next, BS * row, kh, KVH);
             for (int g0 = 0; g0 < group; g0 += HEADS)
                 for (int d0 = 0; d0 < D; d0 += 32) {
                     const int h = kh * group + g0;
                     pv_any(vblock + (int64_t)(kh * D + d0) * size, row, n, scores + h * len + t0, len,
-                           min_int(HEADS, group - g0), min_int(4, (D - d0) / 8), ob + h * D + d0, D, bf16);
+                           min_int(HEADS, group - g0), min_int(4, (D - d0) / 8), ob + h * D + d0, D, bf16, &pf);
                 }
         }
     }
