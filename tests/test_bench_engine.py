@@ -17,8 +17,8 @@ from tokenmill.bench.engine.report import (
     decode_matmul_flops,
     decode_weight_bytes,
     expected_experts_touched,
-    write_json,
 )
+from tokenmill.bench.harness.report_file import write_json
 from tokenmill.cli import main
 from tokenmill.textgen.model_config import load_model_config
 
@@ -42,7 +42,7 @@ def tiny_config(model: Path, json_path: Path, **overrides: object) -> EngineBenc
 @pytest.fixture(scope="module")
 def bench_json(tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "engine.json"
-    write_json(run_engine_bench(tiny_config(tiny_moe, out)), out)
+    write_json(run_engine_bench(tiny_config(tiny_moe, out)).to_json(), out)
     return json.loads(out.read_text())
 
 

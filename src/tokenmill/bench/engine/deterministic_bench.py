@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.engine.engine_bench import EngineBenchConfig, make_workload, run_tokenmill, warm_up
+from tokenmill.bench.harness.report_file import write_json
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +93,6 @@ def render(report: DeterministicReport) -> None:
     Console().print(table)
 
 
-def write_json(report: DeterministicReport, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-
-
 def run(args: argparse.Namespace) -> int:
     fields = EngineBenchConfig.__dataclass_fields__
     try:
@@ -109,6 +103,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     render(report)
     if cfg.json_path:
-        write_json(report, cfg.json_path)
+        write_json(report.to_json(), cfg.json_path)
         log.info("wrote %s", cfg.json_path)
     return 0

@@ -27,8 +27,8 @@ from tokenmill.bench.engine.report import (
     WorkloadSummary,
     decode_floor,
     render_table,
-    write_json,
 )
+from tokenmill.bench.harness.report_file import write_json
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +296,6 @@ def run(args: argparse.Namespace) -> int:
     if report.profile is not None:
         render_profile(report.profile)
     if cfg.json_path:
-        write_json(report, cfg.json_path)
+        write_json(report.to_json(), cfg.json_path)
         log.info("wrote %s", cfg.json_path)
     return 0

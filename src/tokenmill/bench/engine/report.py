@@ -54,9 +54,7 @@ floors above and at most their sum.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.engine.hf_baseline import HFResult
@@ -225,11 +223,6 @@ def _phase_floor_s(cfg: ModelConfig, itemsize: int, step: DecodeStepShape, bandw
     matmuls = max(decode_weight_bytes(cfg, step.batch, itemsize) / bandwidth, decode_matmul_flops(cfg, step.batch) / rate)
     kv = step.context_tokens * kv_bytes_per_token(cfg, itemsize)
     return matmuls + max(kv / bandwidth, decode_attention_flops(cfg, step.context_tokens) / rate)
-
-
-def write_json(report: EngineBenchReport, path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report.to_json(), indent=2) + "\n")
 
 
 def render_table(report: EngineBenchReport) -> None:

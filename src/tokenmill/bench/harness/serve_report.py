@@ -30,10 +30,8 @@ unless the key ends in _ms; definitions in `tokenmill.bench.harness.serve_stats`
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -84,8 +82,6 @@ def report_json(config: dict[str, Any], specs: Sequence[RequestSpec], summary: S
     return out
 
 
-def write_json(report: dict[str, Any], path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
 
 def _dist_row(table: Table, name: str, dist: Distribution | None) -> None:

@@ -5,14 +5,13 @@ Each side is a fresh `serve` with 2 workers, `--deterministic` or not. The reque
 temperature 1, prompts of 16-400 token ids, a third of them sharing a 96-token prefix) are sent
 `--concurrency` at a time: first in their drawn order, then shuffled, so that each one shares its
 steps with other requests the second time, and finds its prompt cached where the first pass left
-it. A request is "identical" when both passes gave the same text, and "bitwise" when they gave
-the same logprob for every token too.
+it. The table counts the requests whose two passes gave the same text, and those that also gave
+the same logprob for every token.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import random
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 import httpx
 
 from tokenmill.bench.harness.checkpoint import model_or_small_moe
+from tokenmill.bench.harness.report_file import write_json
 from tokenmill.bench.harness.serve_process import running_server
 
 log = logging.getLogger(__name__)
@@ -117,11 +117,12 @@ def _print(results: list[SideResult]) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # not a line per request
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    for flag, bad in (("--sides", not sides or any(s not in SIDES for s in sides)),
-                      ("--requests", args.requests < 1), ("--concurrency", args.concurrency < 1),
-                      ("--workers", args.workers < 1)):
-        if bad:
-            log.error("bench replay: %s: invalid value (sides: %s; counts must be positive)", flag, ", ".join(SIDES))
+    if not sides or any(s not in SIDES for s in sides):
+        log.error("bench replay: --sides %r: each must be one of %s", args.sides, ", ".join(SIDES))
+        return 2
+    for flag in ("requests", "concurrency", "workers"):
+        if getattr(args, flag) < 1:
+            log.error("bench replay: --%s must be at least 1, got %d", flag, getattr(args, flag))
             return 2
     model_name = args.model or "small-moe (make-model, seed 0)"
     with tempfile.TemporaryDirectory(prefix="tokenmill-replay-") as tmp:
@@ -132,7 +133,5 @@ def run(args: argparse.Namespace) -> int:
     _print(results)
     if args.json_path:
         config = {"model": model_name, **{k: getattr(args, k) for k in ("requests", "concurrency", "workers")}}
-        out = Path(args.json_path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"config": config, "sides": [asdict(r) for r in results]}, indent=2) + "\n")
+        write_json({"config": config, "sides": [asdict(r) for r in results]}, args.json_path)
     return 0

@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tokenmill.bench.harness import loadgen
-from tokenmill.bench.harness.serve_report import EngineComparison, render_table, report_json, write_json
+from tokenmill.bench.harness.report_file import write_json
+from tokenmill.bench.harness.serve_report import EngineComparison, render_table, report_json
 from tokenmill.bench.harness.serve_stats import SLO, summarize
 from tokenmill.bench.harness.trace_replay import TraceFit, read_trace, trace_requests
 from tokenmill.workloads.prompt_synth import (
