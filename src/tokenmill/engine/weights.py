@@ -79,7 +79,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
     local = cfg if shard is None else shard.local_config(cfg)
     with torch.device("meta"):
         model = CausalLM(local, None if shard is None else shard.experts)
-    model = model.to_empty(device="cpu").to(dtype)
+    _materialize(model, dtype)
     model.rotary = RotaryEmbedding(cfg, max_positions)
     params = dict(model.named_parameters())
     expected = set(expected_tensor_names(cfg))
@@ -112,6 +112,21 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, max_
         prepack_weights(model, batch_invariant)
         return model.eval()
     return model.to(device).eval()
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype) -> None:
+    """Each meta parameter and buffer becomes an uninitialised CPU tensor, floating ones in `dtype`.
+    (`Module.to_empty` does the same through torch's Python reference of `empty_like`, whose first
+    call imports sympy: half a second of every worker's start.)"""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(_empty_like(param, dtype), requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, _empty_like(buffer, dtype))
+
+
+def _empty_like(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
 
 
 def _finish_tied(model: CausalLM, cfg: ModelConfig, seen: set[str], expected: set[str]) -> None:
