@@ -13,8 +13,10 @@ import hmac
 import ipaddress
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tokenmill.api.errors import APIError
+if TYPE_CHECKING:  # imported where raised: `serve` reads the key variables before it refuses a flag
+    from tokenmill.api.errors import APIError
 
 API_KEY_ENV, ADMIN_API_KEY_ENV = "TOKENMILL_API_KEY", "TOKENMILL_ADMIN_API_KEY"
 
@@ -40,6 +42,8 @@ class ApiKeys:
         """Raises the 403 when an unguarded `/admin` route is asked from off this host."""
         if not path.startswith("/admin/") or self.required_for(path) is not None or _loopback(client_host):
             return
+        from tokenmill.api.errors import APIError
+
         raise APIError(403, "admin routes without --admin-api-key answer only on loopback", code="forbidden")
 
     def check(self, path: str, authorization: str | None) -> None:
@@ -59,6 +63,8 @@ def bearer_key(authorization: str | None) -> str | None:
 
 
 def invalid_key(message: str) -> APIError:
+    from tokenmill.api.errors import APIError
+
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
