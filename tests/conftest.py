@@ -2,11 +2,19 @@
 collected first."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from tokenmill.engine.config import KV_CACHE_GB_ENV
 from tokenmill.engine.make_model import write_model
+
+# Every engine the suite starts, in this process or in a worker, gets a quarter-GiB KV pool unless
+# its test sizes one: enough for the small checkpoints' few requests. The 1 GiB default cost each
+# start the zeroing of a GiB (0.1-7 s of first page faults on this project's virtual machine) and
+# 131,072 tiny-dense block objects.
+os.environ.setdefault(KV_CACHE_GB_ENV, "0.25")
 
 # The files that take a minute or more of a `make test` run (their servers' starts, vLLM's
 # above all), longest first. `--dist loadfile` hands files out in collection order as workers

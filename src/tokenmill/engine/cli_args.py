@@ -21,7 +21,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     g.add_argument("--kv-cache-blocks", type=int, default=None, help="device KV pool size in blocks")
-    g.add_argument("--kv-cache-gb", type=float, default=None, help="device KV pool size in GiB")
+    g.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="device KV pool size in GiB (default: $TOKENMILL_KV_CACHE_GB, else 1; with "
+                        "--mock-profile, the profile's capacity)")
     g.add_argument("--block-size", type=int, default=None,
                    help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE}; {VLLM_BLOCK_SIZE} with --engine vllm, "
                         "which vLLM's CPU attention needs); the frontend's must be the same")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
 # mock worker (no weights, no forward pass) never loads it
 DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_KV_CACHE_GB = 1.0
+# The pool's size where no flag gives it, for every worker of a host (as vLLM's CPU backend reads
+# VLLM_CPU_KVCACHE_SPACE). A worker zeroes its whole pool as it starts: each GiB is a GiB of first
+# page faults (0.1-7 s of system time on a virtual machine whose host backs memory lazily).
+KV_CACHE_GB_ENV = "TOKENMILL_KV_CACHE_GB"
 
 
 @dataclass(slots=True)
@@ -88,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        if self.num_kv_blocks is None and self.kv_cache_gb is None:
+            default_kv_cache_gb()  # a bad $TOKENMILL_KV_CACHE_GB is named before any pool is made
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be positive, got {self.threads}")
         if not (isinstance(self.mock_speedup, (int, float)) and math.isfinite(self.mock_speedup)
@@ -162,10 +169,24 @@ class EngineConfig:
     def kv_blocks(self, model_cfg: ModelConfig) -> int:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        gb = self.kv_cache_gb if self.kv_cache_gb is not None else DEFAULT_KV_CACHE_GB
+        gb = self.kv_cache_gb if self.kv_cache_gb is not None else default_kv_cache_gb()
         itemsize = DTYPES[self.dtype_name(model_cfg)]
         per_block = 2 * model_cfg.num_layers * self.block_size * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
         return max(1, int(gb * 2**30) // per_block)
+
+
+def default_kv_cache_gb() -> float:
+    """$TOKENMILL_KV_CACHE_GB where it is set (GiB, > 0), else DEFAULT_KV_CACHE_GB."""
+    raw = os.environ.get(KV_CACHE_GB_ENV)
+    if raw is None:
+        return DEFAULT_KV_CACHE_GB
+    try:
+        gb = float(raw)
+    except ValueError:
+        gb = math.nan
+    if not (math.isfinite(gb) and gb > 0):
+        raise ValueError(f"{KV_CACHE_GB_ENV} must be a positive number of GiB, got {raw!r}")
+    return gb
 
 
 @cache

@@ -278,7 +278,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     parser.add_argument("--hf-max-requests", type=int, default=None,
                         help="run transformers on the first N requests only (whole batches)")
-    parser.add_argument("--kv-cache-gb", type=float, default=None, help="the engine's KV pool in GiB (default 1)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None, help="the engine's KV pool in GiB (default: $TOKENMILL_KV_CACHE_GB, else 1)")
     parser.add_argument("--profile", action="store_true",
                         help="then re-run the first requests with a per-operator breakdown of decode and "
                              "prefill steps (attention, experts, dense, sampling, scheduling, engine)")

@@ -9,8 +9,8 @@ error message are vLLM's). Later flags win, so a user's option overrides a mappe
     --block-size             block_size: must stay equal, the routers hash blocks of this size
     --max-model-len          max_model_len
     --kv-cache-blocks        num_gpu_blocks_override
-    --kv-cache-gb            kv_cache_memory_bytes (on a CPU host 1 GiB when not given, not vLLM's 92%
-                             of the host's memory)
+    --kv-cache-gb            kv_cache_memory_bytes (on a CPU host when not given, the own engine's
+                             default, $TOKENMILL_KV_CACHE_GB or 1 GiB, not vLLM's 92% of the host's memory)
     --no-prefix-caching      no_enable_prefix_caching
     --seed                   seed
     --threads                OMP_NUM_THREADS (vLLM's CPU worker then binds no cores itself)
@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.engine.config import default_kv_cache_gb
 from tokenmill.engine.cpu_features import cpu_flags
 from tokenmill.engines.options import check_vllm_transfer_backends, parse_engine_args
 from tokenmill.openmp_env import untune
@@ -33,9 +34,6 @@ from tokenmill.openmp_env import untune
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
-# Without a KV size vLLM's CPU backend reserves 92% of the host's memory, and refuses to start unless
-# that much is free: wrong for several workers (or anything else) on one host. A size skips that.
-CPU_KV_CACHE_GB = 1.0
 CONNECTOR = "TokenmillConnector"  # engines/vllm/connector.py, vLLM loads it by module path
 
 
@@ -121,8 +119,11 @@ def mapped_argv(args: argparse.Namespace, endpoints: EventEndpoints) -> list[str
     if args.kv_cache_blocks is not None:
         argv += ["--num-gpu-blocks-override", str(args.kv_cache_blocks)]
     kv_gb = args.kv_cache_gb
+    # Without a KV size vLLM's CPU backend reserves 92% of the host's memory, and refuses to start unless
+    # that much is free: wrong for several workers (or anything else) on one host. So it gets the own
+    # engine's default size.
     if kv_gb is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ and not _has_cuda():
-        kv_gb = CPU_KV_CACHE_GB
+        kv_gb = default_kv_cache_gb()
     if kv_gb is not None:
         argv += ["--kv-cache-memory-bytes", str(int(kv_gb * GIB))]
     if args.no_prefix_caching:
