@@ -20,11 +20,12 @@ from tokenmill.bench.engine.report import (
 )
 from tokenmill.bench.harness.report_file import write_json
 from tokenmill.cli import main
+from tokenmill.engine.config import EngineConfig
 from tokenmill.textgen.model_config import load_model_config
 
 TOP_KEYS = {"schema_version", "config", "workload", "tokenmill", "hf", "ratio", "floor"}
 TOKENMILL_KEYS = {"output_tokens_per_s", "wall_s", "mean_step_ms", "mean_decode_step_ms", "steps",
-                  "preemptions", "output_tokens"}
+                  "preemptions", "output_tokens", "kv_blocks"}
 HF_KEYS = {"useful_output_tokens_per_s", "requests_run", "wall_s", "batch_size", "useful_output_tokens"}
 FLOOR_KEYS = {"bandwidth_gbps", "decode_batch_mean", "bytes_per_decode_step", "floor_ms",
               "decode_step_over_floor", "matmul_gflops", "flops_per_decode_step", "compute_floor_ms",
@@ -51,6 +52,11 @@ def test_json_has_the_schema_keys(bench_json: dict) -> None:
     assert TOKENMILL_KEYS <= bench_json["tokenmill"].keys()
     assert HF_KEYS <= bench_json["hf"].keys()
     assert FLOOR_KEYS <= bench_json["floor"].keys()
+
+
+def test_the_report_names_the_pool_the_default_sizing_gave(bench_json: dict, tiny_moe: Path) -> None:
+    config = EngineConfig(model=str(tiny_moe), dtype="float32")  # as the bench's, sized by no flag
+    assert bench_json["tokenmill"]["kv_blocks"] == config.kv_blocks(load_model_config(tiny_moe))
 
 
 def test_figures_are_positive(bench_json: dict) -> None:

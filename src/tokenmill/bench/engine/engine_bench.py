@@ -158,7 +158,9 @@ def run_tokenmill(engine: Any, workload: Workload, warm: bool = False,
         for i, out in zip(indices, outputs):
             generated[i] += len(out.new_token_ids)
     wall = time.perf_counter() - t0
-    return _tokenmill_result(before, engine.stats(), wall, sum(generated), decode_collective_s), shapes
+    result = _tokenmill_result(before, engine.stats(), wall, sum(generated), decode_collective_s)
+    result.kv_blocks = len(engine.pool.blocks)
+    return result, shapes
 
 
 def _tokenmill_result(before: Any, after: Any, wall: float, output_tokens: int,

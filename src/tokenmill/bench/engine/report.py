@@ -15,7 +15,8 @@ JSON written by `--json OUT` (schema_version 1; times in seconds unless the key 
                     mean_step_ms          (forward-pass time per step, from engine stats),
                     mean_decode_step_ms   (the same over steps that computed no prefill),
                     mean_wall_step_ms     (wall_s / steps: includes scheduling and bookkeeping),
-                    steps, decode_only_steps, preemptions, output_tokens, prefill_tokens},
+                    steps, decode_only_steps, preemptions, output_tokens, prefill_tokens,
+                    kv_blocks             (the engine's KV pool: $TOKENMILL_KV_CACHE_GB can size it)},
       "hf": null (--skip-hf) or
             {useful_output_tokens_per_s (each request's own requested tokens / wall_s),
              requests_run (the first N requests, whole batches), requests_total,
@@ -92,6 +93,7 @@ class TokenmillResult:
     prefill_tokens: int
     decode_s: float = 0.0  # in decode-only steps
     decode_collective_s: float = 0.0  # of that, rank 0 in collectives (a parallel engine)
+    kv_blocks: int = 0  # the engine's KV pool, which preemptions depend on
 
 
 @dataclass(slots=True)
@@ -244,7 +246,8 @@ def _table_rows(r: EngineBenchReport) -> list[tuple[str, str]]:
                      f"({w.prompt_tokens} tok), outputs {w.output_len_min}-{w.output_len_max} "
                      f"({w.output_tokens} tok)"),
         ("tokenmill output tok/s", f"{t.output_tokens_per_s:.1f}"),
-        ("tokenmill wall", f"{t.wall_s:.2f} s, {t.steps} steps, {t.preemptions} preemptions"),
+        ("tokenmill wall", f"{t.wall_s:.2f} s, {t.steps} steps, {t.preemptions} preemptions "
+                           f"(a pool of {t.kv_blocks} KV blocks)"),
         ("tokenmill mean step", f"{t.mean_step_ms:.1f} ms (wall/step {t.mean_wall_step_ms:.1f} ms)"),
         ("tokenmill mean decode-only step", f"{t.mean_decode_step_ms:.1f} ms over {t.decode_only_steps}"),
     ]
