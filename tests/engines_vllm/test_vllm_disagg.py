@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.engines_vllm.conftest import VLLMAlone, start_serving
+from tests.engines_vllm.conftest import VLLMAlone, left_behind, python_segments, start_serving
 from tests.serving.conftest import Server, stop_server
 from tests.serving.probes import metric, wait
 from tokenmill.textgen.detokenizer import IncrementalDetokenizer
@@ -47,6 +47,7 @@ def reference(small_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module")
 def disagg(small_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    before = python_segments()
     server = start_serving(small_llama, tmp_path_factory.mktemp("vllm-disagg"), "--prefill", "1", "--decode", "1",
                            "--disagg-threshold", str(THRESHOLD), "--transfer-faults", f"corrupt={CORRUPT_EVERY}",
                            workers=2)
@@ -54,6 +55,7 @@ def disagg(small_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield server
     finally:
         stop_server(server)
+    assert not left_behind(before), "vLLM's shared-memory queues outlived the deployment"
 
 
 def text_of(model: Path, prompt_ids: list[int], output_ids: list[int]) -> str:

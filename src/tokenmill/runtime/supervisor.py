@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenmill.runtime.shared_segments import group_members, mapped_segments, remove_once_unmapped
+
 log = logging.getLogger(__name__)
 
 
@@ -95,8 +97,13 @@ class Supervisor:
 def kill_leftovers(pid: int) -> None:
     """What an exited child started and left behind (an outside engine's processes, such as vLLM's
     engine core, outlive a killed parent): the rest of its session's process group, led by its pid
-    (a pid is not reused while a group of that id has members)."""
+    (a pid is not reused while a group of that id has members), and the shared-memory segments
+    that group mapped and nothing else does (a SIGKILL skips the finalizers that unlink them)."""
+    segments = mapped_segments(group_members(pid))
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass  # nothing left of it
+        return  # nothing left of it
+    if segments:
+        removed = remove_once_unmapped(segments, pid)
+        log.info("removed %d shared-memory segments left by process group %d", removed, pid)
