@@ -10,9 +10,9 @@ from tokenmill.bench.serving.replay_bench import requests
 from tokenmill.cli import main
 
 
-@pytest.mark.parametrize("flags,named", [(["--sides", "deterministic,fast"], "--sides"), (["--sides", ","], "--sides"),
-                                         (["--requests", "0"], "--requests"), (["--concurrency", "-1"], "--concurrency"),
-                                         (["--workers", "0"], "--workers")])
+@pytest.mark.parametrize("flags,named", [
+    (["--sides", "deterministic,fast"], "--sides"), (["--sides", ","], "--sides"), (["--requests", "0"], "--requests"),
+    (["--concurrency", "-1"], "--concurrency"), (["--workers", "0"], "--workers")])
 def test_a_bad_flag_exits_2_naming_it(flags: list[str], named: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR):
         assert main(["bench", "replay", *flags]) == 2

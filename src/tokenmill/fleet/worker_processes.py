@@ -25,10 +25,6 @@ log = logging.getLogger(__name__)
 
 TAIL_LINES = 20
 TAIL_JOIN_S = 1.0  # how long an exit waits for the child's last stderr lines to be read
-# From SIGTERM to SIGKILL as serve stops. A vLLM worker waits up to 5 s for its engine core to
-# stop its own workers (3-4 s here), so the supervisor's 5 s often cut it short, and the SIGKILL
-# left vLLM's shared-memory queues behind.
-STOP_GRACE_S = 10.0
 
 
 class WorkerSupervisor(Supervisor):
@@ -48,9 +44,6 @@ class WorkerSupervisor(Supervisor):
         self.specs.append(spec)
         self.children[spec.name] = _Child(spec, self._spawn(spec))
         return self.pid(spec.name)
-
-    def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
-        super().stop(timeout_s)
 
     def send_signal(self, name: str, sig: signal.Signals) -> bool:
         child = self.children.get(name)

@@ -15,6 +15,11 @@ from tokenmill.runtime.shared_segments import group_members, mapped_segments, re
 
 log = logging.getLogger(__name__)
 
+# From SIGTERM to SIGKILL as the supervisor stops. A vLLM worker waits up to 5 s for its engine core
+# to stop its own workers (3-4 s here), so a 5 s grace often cut it short, and the SIGKILL left
+# vLLM's shared-memory queues behind.
+STOP_GRACE_S = 10.0
+
 
 @dataclass(slots=True)
 class ChildSpec:
@@ -72,7 +77,7 @@ class Supervisor:
         child.process = self._spawn(child.spec)
         child.started_at = time.monotonic()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
         """SIGTERM every child, then SIGKILL whatever is still alive after `timeout_s`."""
         self._stopping = True
         for child in self.children.values():

@@ -158,13 +158,12 @@ def run_tokenmill(engine: Any, workload: Workload, warm: bool = False,
         for i, out in zip(indices, outputs):
             generated[i] += len(out.new_token_ids)
     wall = time.perf_counter() - t0
-    result = _tokenmill_result(before, engine.stats(), wall, sum(generated), decode_collective_s)
-    result.kv_blocks = len(engine.pool.blocks)
-    return result, shapes
+    return _tokenmill_result(before, engine.stats(), wall, sum(generated), decode_collective_s,
+                             len(engine.pool.blocks)), shapes
 
 
 def _tokenmill_result(before: Any, after: Any, wall: float, output_tokens: int,
-                      decode_collective_s: float) -> TokenmillResult:
+                      decode_collective_s: float, kv_blocks: int) -> TokenmillResult:
     steps = after.num_steps - before.num_steps
     decode_steps = after.num_decode_only_steps - before.num_decode_only_steps
     decode_s = after.decode_step_seconds - before.decode_step_seconds
@@ -176,7 +175,7 @@ def _tokenmill_result(before: Any, after: Any, wall: float, output_tokens: int,
         mean_wall_step_ms=wall / max(steps, 1) * 1e3, steps=steps, decode_only_steps=decode_steps,
         preemptions=after.num_preemptions - before.num_preemptions, output_tokens=output_tokens,
         prefill_tokens=after.prefill_tokens - before.prefill_tokens, decode_s=decode_s,
-        decode_collective_s=decode_collective_s,
+        decode_collective_s=decode_collective_s, kv_blocks=kv_blocks,
     )
 
 
@@ -280,7 +279,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     parser.add_argument("--hf-max-requests", type=int, default=None,
                         help="run transformers on the first N requests only (whole batches)")
-    parser.add_argument("--kv-cache-gb", type=float, default=None, help="the engine's KV pool in GiB (default: $TOKENMILL_KV_CACHE_GB, else 1)")
+    parser.add_argument("--kv-cache-gb", type=float, default=None,
+                        help="the engine's KV pool in GiB (default: $TOKENMILL_KV_CACHE_GB, else 1)")
     parser.add_argument("--profile", action="store_true",
                         help="then re-run the first requests with a per-operator breakdown of decode and "
                              "prefill steps (attention, experts, dense, sampling, scheduling, engine)")

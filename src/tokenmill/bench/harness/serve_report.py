@@ -82,8 +82,6 @@ def report_json(config: dict[str, Any], specs: Sequence[RequestSpec], summary: S
     return out
 
 
-
-
 def _dist_row(table: Table, name: str, dist: Distribution | None) -> None:
     if dist is None:
         table.add_row(name, "-", "-", "-", "-", "-")
