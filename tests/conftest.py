@@ -16,6 +16,13 @@ from tokenmill.engine.make_model import write_model
 # 131,072 tiny-dense block objects.
 os.environ.setdefault(KV_CACHE_GB_ENV, "0.25")
 
+# Two test processes share this project's 2 cores (`-n 2`), and the engines they start (in
+# process, as workers, ranks, vLLM) each took torch's default of a thread per core: their OpenMP
+# pools oversubscribed the cores and waited at barriers on threads that were not running. One
+# thread each cut a whole run's CPU by a tenth. The kernels' split between threads is still
+# tested: the kernel tests and the batch-invariance tests set their own thread counts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The files that take a minute or more of a `make test` run (their servers' starts, vLLM's
 # above all), longest first. `--dist loadfile` hands files out in collection order as workers
 # free up, so these go first: a long file handed out last would leave the other worker idle
@@ -24,8 +31,19 @@ LONGEST_FIRST = ("engines_vllm/test_vllm_worker.py", "engines_vllm/test_vllm_dis
                  "disagg/test_disagg_serving.py", "serving/test_dashboard.py", "serving/test_parallel_serving.py")
 
 
+# Tests that compare live timing with modelled time: `make test` runs this directory on its own,
+# after the heavy tests (only these files are collected then). Its tests carry the `solo` mark.
+SOLO_DIR = Path(__file__).parent / "solo"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the mark
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests_dir = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(SOLO_DIR):
+            item.add_marker(pytest.mark.solo)
+        elif item.get_closest_marker("solo"):  # it would run in neither phase of `make test`
+            raise pytest.UsageError(f"{item.nodeid}: a solo test belongs in {SOLO_DIR.relative_to(tests_dir.parent)}/")
 
     def rank(item: pytest.Item) -> int:
         name = item.path.relative_to(tests_dir).as_posix() if item.path.is_relative_to(tests_dir) else ""

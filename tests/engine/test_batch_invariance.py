@@ -10,6 +10,7 @@ prefix cached, under a small chunk budget and after being preempted.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,16 @@ from tokenmill.engine.runner import StepPart, TorchModelRunner
 from tokenmill.textgen.sampling import SamplingParams
 
 CHUNKS = (1, 1, 2, 3, 7, 16, 33, 64, 128, 256, 512)
+THREADS = 2  # the kernels share a step out between threads by its shape: the split must not show
+
+
+@pytest.fixture(scope="module", autouse=True)
+def split_between_threads() -> Iterator[None]:
+    """The suite's processes run one thread each (tests/conftest.py); these tests run several."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(previous)
 
 
 class Pool:
