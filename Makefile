@@ -33,8 +33,9 @@ system-packages:
 	bash scripts/system-packages.sh
 
 # Lint first (ruff, configured in pyproject.toml). Then two pytest processes, a test file each at a
-# time (files share their servers); then the tests that compare live timing with modelled time,
-# apart from that load, which would skew them, two at a time: they mostly wait on modelled time.
+# time (files share their servers); then the tests that compare live timing with modelled time
+# (tests/solo, marked `solo`), apart from that load, which would skew them, two at a time: they
+# mostly wait on modelled time. Naming their directory spares that run collecting the whole suite.
 # The host's speed is printed first: the same suite takes 1.4-2.2x longer on this host in a busy hour.
 # The package's modules are compiled once, before the many server processes the tests start
 # import them (where PYTHONDONTWRITEBYTECODE is set, as on this host, each would compile its own).
@@ -43,7 +44,7 @@ test: install install-vllm system-packages
 	$(BIN)/python scripts/host_speed.py
 	$(BIN)/python -m compileall -q src
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m 'not solo'
-	$(BIN)/python -m pytest -n 2 --dist load -m solo
+	$(BIN)/python -m pytest -n 2 --dist load tests/solo
 
 # config.json is written last by convert-gguf, so its presence means a complete checkpoint.
 $(SMOLLM2)/config.json: | install

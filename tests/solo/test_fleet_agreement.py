@@ -17,8 +17,6 @@ import pytest
 from tokenmill.bench.fleet import fleet_agreement
 from tokenmill.datasets import MOONCAKE_TRACE, data_file
 
-pytestmark = pytest.mark.solo  # live timing against modelled time: apart from the heavy tests
-
 # A quarter speed: the live host's own time per request (10-20 ms on a quiet 2-core machine, two or
 # three times that on a busy one) counts a quarter in modelled time. At full speed p90 ratios were
 # ~0.83 against the 0.85 bound, at half speed ~0.93 here and 0.84 once in CI; so ~0.96. The trace's

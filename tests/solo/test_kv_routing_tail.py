@@ -26,8 +26,6 @@ import pytest
 
 from tests.serving.conftest import Server, start_server, stop_server
 
-pytestmark = pytest.mark.solo  # live timing against modelled time: apart from the heavy tests
-
 log = logging.getLogger(__name__)
 
 GROUPS, PREFIX, SUFFIX, REQUESTS, CONCURRENCY, WORKERS, OUTPUT = 8, 384, 16, 128, 8, 4, 16

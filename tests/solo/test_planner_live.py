@@ -13,11 +13,8 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.serving.conftest import Server, start_server, stop_server
-
-pytestmark = pytest.mark.solo  # live timing against modelled time: apart from the heavy tests
 
 INTERVAL_S = 3.0
 SUSTAIN = 2  # decisions that must agree before a replica is removed
