@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import re
@@ -55,11 +56,16 @@ def hf_model(smollm2_dir: Path):
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
 
 
-def test_every_tensor_equals_transformers_gguf_reader(smollm2_gguf: Path, smollm2_dir: Path) -> None:
+def test_every_tensor_equals_transformers_gguf_reader(smollm2_gguf: Path, smollm2_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    # transformers asks gguf for the same name map once per module of the model (397 times, 5 s of
+    # this test); the map depends on its two arguments only
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(AutoConfig.from_pretrained(smollm2_dir))
     ref = load_gguf_checkpoint(str(smollm2_gguf), return_tensors=True, model_to_load=skeleton)
