@@ -18,9 +18,10 @@ os.environ.setdefault(KV_CACHE_GB_ENV, "0.25")
 
 # Two test processes share this project's 2 cores (`-n 2`), and the engines they start (in
 # process, as workers, ranks, vLLM) each took torch's default of a thread per core: their OpenMP
-# pools oversubscribed the cores and waited at barriers on threads that were not running. One
-# thread each cut a whole run's CPU by a tenth. The kernels' split between threads is still
-# tested: the kernel tests and the batch-invariance tests set their own thread counts.
+# pools oversubscribed the cores and waited at barriers on threads that were not running. With one
+# thread each, the five heaviest engine and serving files took 90 s and 165 s of CPU, against 113 s
+# and 212 s (alternated runs). The kernels' split between threads is still tested: the kernel
+# tests and the batch-invariance tests set their own thread counts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The files that take a minute or more of a `make test` run (their servers' starts, vLLM's
