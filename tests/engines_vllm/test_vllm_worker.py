@@ -234,21 +234,24 @@ def test_a_killed_vllm_worker_stream_finishes_on_the_other_worker(vllm_deploymen
     ids, out = reference["kill"]
     server = vllm_deployment.server
 
-    def kill() -> tuple[int, list[int], list[Path], list[str]]:
-        def inspect(pid: int) -> tuple[list[int], list[Path], list[str]]:
+    def kill() -> tuple[int, list[int], list[Path], list[str], list[str]]:
+        def inspect(pid: int) -> tuple[list[int], list[Path], list[str], list[str]]:
             engine_core = _children(pid)
-            return engine_core, _scratch_of(pid), [_environ(p) for p in (pid, *engine_core)]
+            titles = [title for title in map(_cmdline, engine_core) if title.startswith("VLLM::")]  # vLLM's own
+            return engine_core, _scratch_of(pid), [_environ(p) for p in (pid, *engine_core)], titles
 
-        pid, (engine_core, scratch, environs) = kill_the_routed_worker(server, inspect)
-        return pid, engine_core, scratch, environs
+        pid, (engine_core, scratch, environs, titles) = kill_the_routed_worker(server, inspect)
+        return pid, engine_core, scratch, environs, titles
 
     migrations = metric(server.url, "tokenmill_request_migrations_total")
     wait(lambda: metric(server.url, "tokenmill_router_worker_load_blocks") == 0, "the router's load back to zero")
-    text, (killed, engine_core, scratch, environs) = stream_with_a_kill(server.url, ids, KILL_TOKENS, kill,
-                                                                        KILL_AFTER_CHUNKS)
+    text, (killed, engine_core, scratch, environs, titles) = stream_with_a_kill(server.url, ids, KILL_TOKENS, kill,
+                                                                                 KILL_AFTER_CHUNKS)
     assert text == text_of(tokenizer, ids, out)
     assert metric(server.url, "tokenmill_request_migrations_total") == migrations + 1
     assert engine_core, "the killed worker ran no vLLM engine core process"
+    # on a CPU the model runs in the engine core's process, not in a worker of vLLM's multiprocess executor
+    assert titles == ["VLLM::EngineCore"], f"the killed worker's vLLM processes: {titles}"
     # vLLM's processes run on vLLM's OpenMP defaults, not the own engine's tuning that serve set
     worker_env, *core_envs = environs
     assert "GOMP_SPINCOUNT=" in worker_env and not any("GOMP_SPINCOUNT=" in env for env in core_envs)
@@ -262,11 +265,16 @@ def _environ(pid: int) -> str:
     return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
 
 
+def _cmdline(pid: int) -> str:
+    """Its command line, or the title vLLM gives its processes."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+
+
 def _scratch_of(pid: int) -> list[Path]:
     return list(Path(tempfile.gettempdir()).glob(f"tokenmill-{pid}-*"))
 
 
 def _children(pid: int) -> list[int]:
-    """The processes `pid` started (vLLM's engine core and its executor's workers), transitively."""
+    """The processes `pid` started (vLLM's engine core, multiprocessing's resource tracker), transitively."""
     found = list(child_pids(pid))
     return found + [grandchild for child in found for grandchild in _children(child)]
