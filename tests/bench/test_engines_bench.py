@@ -65,7 +65,6 @@ def test_sides_follow_the_contract(tiny_dense: Path) -> None:
     assert {"--engine", "vllm", "--engine-python", sys.executable}.issubset(ours.flags)
     assert alone.command().startswith(f"{sys.executable} -m vllm.entrypoints.openai.api_server --model ")
     assert "--enforce-eager" in alone.flags and alone.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
-    assert alone.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the model in the engine core, as our worker runs it
     assert [s.name for s in routing.sides] == ["kv", "round-robin"]
     assert all(s.workers == 2 and s.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" for s in routing.sides)
     context = routing.workload["max_model_len"]

@@ -107,9 +107,7 @@ class Comparison:
 
 
 def _vllm_env(cfg: EnginesConfig, workers: int) -> dict[str, str]:
-    # vLLM alone runs its model in its engine core's process, as a tokenmill vLLM worker on a CPU
-    # does: the layer comparison then differs only in the layer
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kvcache_gib), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.kvcache_gib)}
     if workers == 1:
         cores = "0" if cfg.threads == 1 else f"0-{cfg.threads - 1}"
         return {**env, "VLLM_CPU_OMP_THREADS_BIND": cores}
