@@ -199,12 +199,13 @@ def _apply_environment(args: argparse.Namespace) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     # "auto" binds every core but one to this worker: wrong for several workers sharing a host
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    if not _has_cuda():
+    if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and not _has_cuda():
         # vLLM's CPU platform otherwise runs a one-process model in a third process (its multiprocess
         # executor) beside the engine core's, which AsyncLLM keeps either way. Without it a worker
         # imports vLLM twice, not three times: on a 2-core host it starts in 16 s, not 30, on 16 s less
-        # CPU, with the same token ids. (vLLM then warns that its seed may reach this process's random
-        # state; this version seeds in the engine core only.)
+        # CPU, with the same token ids. A user's core binding keeps that executor: it is what pins
+        # the threads of the process it starts. (vLLM then warns that its seed may reach this
+        # process's random state; this version seeds in the engine core only.)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 

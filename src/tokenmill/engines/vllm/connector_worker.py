@@ -1,4 +1,5 @@
-"""The worker side of `TokenmillConnector`, in vLLM's worker process (where the KV cache lives).
+"""The worker side of `TokenmillConnector`, in the process of vLLM's worker (where the KV cache lives:
+the engine core's own on a CPU, unless vLLM's multiprocess executor runs it).
 
 vLLM calls it from its model runner, one step at a time; its `TransferAgent` runs on an asyncio
 loop in a thread of its own, so pulls and notifications go on between and during steps.
