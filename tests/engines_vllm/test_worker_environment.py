@@ -27,13 +27,21 @@ def test_on_a_cpu_the_model_runs_in_the_engine_core_unbound(monkeypatch: pytest.
     assert (env[BIND], env[ONE_PROCESS], env["OMP_NUM_THREADS"]) == ("nobind", "0", "2")
 
 
+def test_without_threads_the_model_gets_every_core_as_the_own_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # unset, vLLM's worker would serve on one torch thread
+    assert environment_of(monkeypatch, {})["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
+    assert environment_of(monkeypatch, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+
+
 @pytest.mark.parametrize("given", [{BIND: "0-1"}, {BIND: "auto"}, {ONE_PROCESS: "1"}])
 def test_a_core_binding_or_the_users_choice_keeps_the_multiprocess_executor(monkeypatch: pytest.MonkeyPatch,
                                                                              given: dict[str, str]) -> None:
     env = environment_of(monkeypatch, given)
     assert env.get(ONE_PROCESS) == given.get(ONE_PROCESS)  # vLLM's executor pins a bound worker's threads
+    assert ("OMP_NUM_THREADS" in env) == (BIND not in given)  # a binding sets the count for its cores
     assert env[BIND] == given.get(BIND, "nobind")
 
 
-def test_a_cuda_host_keeps_vllms_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert ONE_PROCESS not in environment_of(monkeypatch, {}, cuda=True)
+def test_a_cuda_host_keeps_vllms_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = environment_of(monkeypatch, {}, cuda=True)
+    assert ONE_PROCESS not in env and "OMP_NUM_THREADS" not in env

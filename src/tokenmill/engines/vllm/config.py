@@ -200,6 +200,9 @@ def _apply_environment(args: argparse.Namespace) -> None:
     # "auto" binds every core but one to this worker: wrong for several workers sharing a host
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and not _has_cuda():
+        # Unbound and without OMP_NUM_THREADS, vLLM's CPU worker drops torch to one thread for serving
+        # (its rule for a GPU worker's host code); the own engine's default is every core it may use.
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
         # vLLM's CPU platform otherwise runs a one-process model in a third process (its multiprocess
         # executor) beside the engine core's, which AsyncLLM keeps either way. Without it a worker
         # imports vLLM twice, not three times: on a 2-core host it starts in 16 s, not 30, on 16 s less
