@@ -1,5 +1,5 @@
 """What the connector's scheduler side tells its worker side each step, and the handle a prefill
-worker hands out. Plain data: vLLM pickles the step's metadata from its engine core to its worker
+worker hands out. Plain data: vLLM pickles the step's metadata from its engine core to its worker,
 where they are separate processes (its multiprocess executor).
 
     handle = {"agent": AGENT METADATA, "layout": LAYOUT, "remote_request_id": ID,
