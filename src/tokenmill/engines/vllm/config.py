@@ -201,8 +201,8 @@ def _apply_environment(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and not _has_cuda():
         # Unbound and without OMP_NUM_THREADS, vLLM's CPU worker drops torch to one thread for serving
-        # (its rule for a GPU worker's host code); the own engine's default is every core it may use.
-        os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+        # (its rule for a GPU worker's host code); it gets the own engine's default, torch's.
+        os.environ.setdefault("OMP_NUM_THREADS", str(_torch_threads()))
         # vLLM's CPU platform otherwise runs a one-process model in a third process (its multiprocess
         # executor) beside the engine core's, which AsyncLLM keeps either way. Without it a worker
         # imports vLLM twice, not three times: on a 2-core host it starts in 16 s, not 30, on 16 s less
@@ -216,6 +216,12 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _has_amx() -> bool:
