@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -166,15 +168,30 @@ def test_kv_routing_sends_a_repeated_prompt_to_its_holder_and_round_robin_does_n
 def test_cancel_mid_stream_frees_vllm_blocks(vllm_deployment: Deployment, client: openai.OpenAI) -> None:
     url = vllm_deployment.server.url
     wait(lambda: metric(url, "tokenmill_worker_kv_usage") == 0, "idle workers")
+    disconnected = metric(url, "tokenmill_requests_total", status="disconnected")
     stream = client.completions.create(model="tiny", prompt=prompt(40, 100), max_tokens=800, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
         if i == 5:
             break
-    wait(lambda: metric(url, "tokenmill_worker_kv_usage") > 0, "the stream's blocks in use", 10)
-    stream.close()
+    # vLLM may generate the rest before a heartbeat carries the stream's blocks: its engine cores are
+    # stopped while the blocks are seen in use, and resumed once the client has gone
+    cores = [core for worker in vllm_deployment.server.registry() for core in _children(int(worker["pid"]))
+             if _cmdline(core).startswith("VLLM::")]
+    assert cores, "no vLLM engine core process"
+    for core in cores:
+        os.kill(core, signal.SIGSTOP)
+    try:
+        wait(lambda: metric(url, "tokenmill_worker_kv_usage") > 0, "the stream's blocks in use", 10)
+        stream.close()
+    finally:
+        for core in cores:
+            os.kill(core, signal.SIGCONT)
     wait(lambda: metric(url, "tokenmill_worker_kv_usage") == 0 and metric(url, "tokenmill_worker_num_running") == 0,
          "vLLM's blocks back to idle", 20)
+    # ended by the client, not run to its 800th token
+    wait(lambda: metric(url, "tokenmill_requests_total", status="disconnected") == disconnected + 1,
+         "the stream counted as disconnected", 10)
 
 
 def test_json_schema_validates_and_a_forced_tool_call_parses(client: openai.OpenAI) -> None:
