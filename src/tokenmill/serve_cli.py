@@ -11,8 +11,10 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenmill.api.auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 from tokenmill.api.launch import (
@@ -37,10 +39,14 @@ from tokenmill.runtime.scratch import remove_scratch_of
 from tokenmill.runtime.unix_sockets import socket_dir
 from tokenmill.transfer.memory import remove_shared_files_of
 
+if TYPE_CHECKING:
+    from tokenmill.fleet.worker_processes import WorkerSupervisor
+    from tokenmill.runtime.supervisor import ChildSpec
+
 log = logging.getLogger(__name__)
 
 CONTROL_SOCKET = "control.sock"  # beside the workers' sockets: the other API servers' way to the workers
-CHECK_TIMEOUT_S = 120  # vLLM's engine options are checked by its venv's interpreter (imports vLLM: seconds)
+CHECK_TIMEOUT_S = 120  # for the first vLLM worker to take the engine options (it imports vLLM: seconds)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             from tokenmill.planner.in_process import check_flags
 
             check_flags(args)
-        args.worker_python = _worker_python(args)  # last: it asks vLLM's venv (seconds)
+        args.worker_python = _worker_python(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -125,8 +131,8 @@ async def _serve(args: argparse.Namespace, run_dir: Path, sockets: Path, engine_
     registry = run_dir / "registry"
     discovery = FileDiscovery(registry)
 
-    def worker_spec(name: str, role: str) -> ChildSpec:
-        return ChildSpec(name, _worker_argv(args, name, role, run_dir, sockets, engine_args))
+    def worker_spec(name: str, role: str, report_options: bool = False) -> ChildSpec:
+        return ChildSpec(name, _worker_argv(args, name, role, run_dir, sockets, engine_args, report_options))
 
     specs = [worker_spec(name, role) for name, role in _workers(args)]
     keys = api_keys(args)  # to the other API servers by environment: a command line is public (ps)
@@ -135,9 +141,15 @@ async def _serve(args: argparse.Namespace, run_dir: Path, sockets: Path, engine_
     specs += [ChildSpec(f"api-server-{i}", _api_server_argv(args, run_dir), key_env)
               for i in range(1, args.api_servers)]
     args.reuse_port = args.reuse_port or args.api_servers > 1
-    # the workers start first, all at once: they boot while this process loads the frontend
+    # the workers start first, all at once (vLLM's first alone, until it has taken the engine options):
+    # they boot while this process loads the frontend
     supervisor = WorkerSupervisor(specs, on_exit=lambda name: _worker_died(backend, discovery, name,
                                                                           supervisor.pid(name)))
+    if args.engine == VLLM and (refusal := await _first_worker_takes_options(args, supervisor, worker_spec)):
+        print(f"error: {refusal}", file=sys.stderr)
+        for name in supervisor.children:
+            _remove_files_of(supervisor.pid(name))
+        return 2
     supervisor.start()
     backend = make_backend(args, discovery)
     roles = ("prefill", "decode") if args.prefill else ("agg",)
@@ -169,26 +181,33 @@ def profile_worker_hour(gpus: int, speedup: float) -> float:
 
 
 def _worker_python(args: argparse.Namespace) -> str:
-    """This interpreter for own-engine workers; for vLLM workers, the engine venv's, once it has
-    accepted the engine options (so a bad one exits 2 here, naming it, not in every worker)."""
+    """This interpreter for own-engine workers; for vLLM workers, the engine venv's (whose first
+    worker checks the engine options, `_first_worker_takes_options`)."""
     if args.engine != VLLM:
         return sys.executable
-    import subprocess
+    from tokenmill.engines.options import engine_python
 
-    from tokenmill.engine.cli_args import engine_argv
-    from tokenmill.engines.options import engine_flags_argv, engine_python, engine_selection_argv
+    return engine_python(args)
 
-    python = engine_python(args)
-    # checked as a decode worker when disaggregated: its options are a prefill worker's and the faults
-    role = "decode" if args.prefill else "agg"
-    check = [python, "-m", "tokenmill.cli", "--log-level", "WARNING", "worker", *engine_argv(args),
-             *engine_selection_argv(args), *_transfer_argv(args, role), "--check-only", *engine_flags_argv(args)]
-    result = subprocess.run(check, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        raise ValueError(lines[-1].removeprefix("error: ") if lines else
-                         f"--engine vllm: {python} could not check the engine options:\n{result.stderr[-2000:]}")
-    return python
+
+async def _first_worker_takes_options(args: argparse.Namespace, supervisor: WorkerSupervisor,
+                                      worker_spec: Callable[..., ChildSpec]) -> str | None:
+    """vLLM's options are vLLM's parser's to judge, in its venv: the first worker (a decode worker
+    when disaggregated: its options are a prefill worker's and the faults) starts alone, and the
+    others once its engine has taken them. None, or the refusal in one line."""
+    from tokenmill.engines.options import OPTIONS_ACCEPTED
+    from tokenmill.fleet.output_gate import OutputGate
+
+    name, role = next((name, role) for name, role in _workers(args) if role in ("agg", "decode"))
+    first_argv = worker_spec(name, role, report_options=True).argv
+    lines = await supervisor.start_gated(worker_spec(name, role), first_argv, OutputGate(OPTIONS_ACCEPTED),
+                                         CHECK_TIMEOUT_S)
+    if lines is None:
+        return None
+    errors = [line for line in lines if line.startswith("error: ")]
+    return (errors[-1].removeprefix("error: ") if errors else
+            f"--engine vllm: {name} under {args.worker_python} stopped before taking the engine options:\n"
+            + "\n".join(lines[-20:]))
 
 
 def _check_topology(args: argparse.Namespace) -> None:
@@ -222,7 +241,7 @@ def _workers(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _worker_argv(args: argparse.Namespace, name: str, role: str, run_dir: Path, sockets: Path,
-                 engine_args: list[str]) -> list[str]:
+                 engine_args: list[str], report_options: bool = False) -> list[str]:
     from tokenmill.engines.options import engine_flags_argv, engine_selection_argv
 
     argv = [args.worker_python, "-m", "tokenmill.cli", "--log-level", args.log_level, "worker", *engine_args,
@@ -236,6 +255,8 @@ def _worker_argv(args: argparse.Namespace, name: str, role: str, run_dir: Path, 
         argv += ["--events-address", f"ipc://{sockets}/{name}-events.sock"]
     if args.max_queue is not None:
         argv += ["--max-queue", str(args.max_queue)]
+    if report_options:
+        argv.append("--report-accepted-options")
     return argv + _transfer_argv(args, role) + engine_flags_argv(args)  # last: everything after its -- is vLLM's
 
 

@@ -20,6 +20,9 @@ from tokenmill.kv.hashing import DEFAULT_BLOCK_SIZE
 VLLM_BLOCK_SIZE = 32
 VLLM_VENV = ".venv-vllm"
 INSTALL_HINT = "make install-vllm (or scripts/install-vllm.sh; VLLM_PACKAGE=vllm on a CUDA host)"
+# What a worker given --report-accepted-options writes on stderr, alone on its line, once its engine
+# has taken its options: `serve` holds that worker's output until then, and its other workers
+OPTIONS_ACCEPTED = "tokenmill-worker: the engine's options are accepted"
 
 
 def add_engine_selection(parser: argparse.ArgumentParser, with_python: bool = False) -> None:

@@ -4,21 +4,24 @@
 while it runs (`add`), a say in whether an exited child comes back (`may_restart`, asked
 before the supervisor's own restart budget), a word when an exit is settled (`on_settled`),
 signals to one child, and the last lines each child wrote to stderr (`tail`), which are still
-copied to this process's stderr as they come: the reason a start failed is in them.
+copied to this process's stderr as they come: the reason a start failed is in them. One child
+may start first and alone, its output held until it says its engine took the options
+(`start_gated`): a refusal is then its one line.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import IO
 
+from tokenmill.fleet.output_gate import OutputGate, write_line
 from tokenmill.runtime.supervisor import ChildSpec, Supervisor, _Child, kill_leftovers
 
 log = logging.getLogger(__name__)
@@ -35,7 +38,7 @@ class WorkerSupervisor(Supervisor):
         self.on_settled: Callable[[str, int, bool], None] | None = None  # (name, exit code, restarted)
         self._tails: dict[str, deque[str]] = {}  # appended to by reader threads
         self._tails_lock = threading.Lock()
-        self._readers: dict[str, threading.Thread] = {}
+        self._readers: dict[str, list[threading.Thread]] = {}
 
     def add(self, spec: ChildSpec) -> int:
         """Start one more child now; its pid."""
@@ -56,22 +59,43 @@ class WorkerSupervisor(Supervisor):
         with self._tails_lock:
             return list(self._tails.get(name, ()))
 
-    def _spawn(self, spec: ChildSpec) -> subprocess.Popen:
-        log.info("starting %s", spec.name)
+    async def start_gated(self, spec: ChildSpec, argv: list[str], gate: OutputGate,
+                          timeout_s: float) -> list[str] | None:
+        """Start `spec` alone, as `argv` this once (restarts take the spec's), its stdout and stderr
+        held by `gate` until it opens: None then. If the child exits first, or `timeout_s` passes, it
+        is stopped (and stays on record, for `pid`), its output dropped: the stderr lines it held,
+        the reason it gave."""
+        process = self._spawn(ChildSpec(spec.name, argv, spec.env), gate)
+        self.children[spec.name] = _Child(spec, process)
+        deadline = time.monotonic() + timeout_s
+        while not gate.opened.is_set():
+            if process.poll() is not None or time.monotonic() > deadline:
+                kill_leftovers(process.pid)
+                process.wait()
+                for reader in self._readers.pop(spec.name, []):
+                    reader.join(TAIL_JOIN_S)
+                return gate.held_lines("stderr") or [f"exited with code {process.returncode}, saying nothing"]
+            await asyncio.sleep(0.05)
+        log.info("%s took its engine's options", spec.name)
+        return None
+
+    def _spawn(self, spec: ChildSpec, gate: OutputGate | None = None) -> subprocess.Popen:
+        (log.debug if gate else log.info)("starting %s", spec.name)  # a refused start is told by its reason only
         process = subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, start_new_session=True,
-                                   stderr=subprocess.PIPE)
+                                   stderr=subprocess.PIPE, stdout=subprocess.PIPE if gate else None)
         tail = self._tails[spec.name] = deque(maxlen=TAIL_LINES)  # this incarnation's lines only
-        reader = threading.Thread(target=_copy_lines, args=(process.stderr, tail, self._tails_lock), daemon=True,
-                                  name=f"stderr-{spec.name}")
-        reader.start()
-        self._readers[spec.name] = reader
+        streams = [("stderr", process.stderr, tail)] + ([("stdout", process.stdout, None)] if gate else [])
+        self._readers[spec.name] = readers = [
+            threading.Thread(target=_copy_lines, args=(name, stream, tail, self._tails_lock, gate), daemon=True,
+                             name=f"{name}-{spec.name}") for name, stream, tail in streams]
+        for reader in readers:
+            reader.start()
         return process
 
     def _handle_exit(self, child: _Child, code: int) -> None:
         name = child.spec.name
         kill_leftovers(child.process.pid)
-        reader = self._readers.get(name)
-        if reader is not None:
+        for reader in self._readers.get(name, []):
             reader.join(TAIL_JOIN_S)
         restart = (self.restart and not self._stopping and child.restarts < self.max_restarts
                    and self.may_restart(name))
@@ -88,14 +112,15 @@ class WorkerSupervisor(Supervisor):
             self.on_settled(name, code, restart)
 
 
-def _copy_lines(stream: IO[bytes], tail: deque[str], lock: threading.Lock) -> None:
-    """Copy a child's stderr to ours line by line, keeping the last few."""
+def _copy_lines(name: str, stream: IO[bytes], tail: deque[str] | None, lock: threading.Lock,
+                gate: OutputGate | None) -> None:
+    """Copy a child's stream to ours of that `name` line by line (unless `gate` holds it), keeping
+    the last few in `tail`."""
     with stream:
         for line in iter(stream.readline, b""):
-            with lock:
-                tail.append(line.decode("utf-8", errors="replace").rstrip())
-            try:
-                sys.stderr.buffer.write(line)
-                sys.stderr.buffer.flush()
-            except (OSError, ValueError, AttributeError):  # AttributeError: a stderr without .buffer
-                pass  # our stderr is gone; keep reading so the child never blocks on a full pipe
+            if gate is not None and gate.hold(name, line):
+                continue
+            if tail is not None:
+                with lock:
+                    tail.append(line.decode("utf-8", errors="replace").rstrip())
+            write_line(name, line)

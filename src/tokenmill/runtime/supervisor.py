@@ -49,8 +49,10 @@ class Supervisor:
         self._stopping = False
 
     def start(self) -> None:
+        """Every spec not started yet."""
         for spec in self.specs:
-            self.children[spec.name] = _Child(spec, self._spawn(spec))
+            if spec.name not in self.children:
+                self.children[spec.name] = _Child(spec, self._spawn(spec))
 
     def pid(self, name: str) -> int:
         return self.children[name].process.pid

@@ -63,11 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM: how long prefill requests and held KV may finish")
     parser.add_argument("--check-only", action="store_true",
                         help="check the flags (and the engine's options) and exit: 0 if accepted, 2 if not")
+    parser.add_argument("--report-accepted-options", action="store_true",
+                        help="write a line on stderr once the engine has taken its options (before it starts): "
+                             "serve starts its other workers then")
 
 
 def run(args: argparse.Namespace) -> int:
     from tokenmill.engines.adapter import EngineStartError
-    from tokenmill.engines.options import check_engine_selection, default_block_size
+    from tokenmill.engines.options import OPTIONS_ACCEPTED, check_engine_selection, default_block_size
     from tokenmill.runtime.discovery import discovery_from_url
     from tokenmill.worker.server import WorkerServer
     from tokenmill.worker.settings import WorkerSettings
@@ -88,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.report_accepted_options:
+        print(OPTIONS_ACCEPTED, file=sys.stderr, flush=True)
     server = WorkerServer(engine, settings, discovery, transfer, event_plane)
     address = server.bind()
     health = None
