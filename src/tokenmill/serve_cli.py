@@ -22,6 +22,7 @@ from tokenmill.api.launch import (
     api_keys,
     disagg_config,
     event_plane,
+    exit_on_sigterm,
     fleet_queue,
     frontend_argv,
     make_backend,
@@ -145,21 +146,22 @@ async def _serve(args: argparse.Namespace, run_dir: Path, sockets: Path, engine_
     # they boot while this process loads the frontend
     supervisor = WorkerSupervisor(specs, on_exit=lambda name: _worker_died(backend, discovery, name,
                                                                           supervisor.pid(name)))
-    if args.engine == VLLM and (refusal := await _first_worker_takes_options(args, supervisor, worker_spec)):
-        print(f"error: {refusal}", file=sys.stderr)
-        for name in supervisor.children:
-            _remove_files_of(supervisor.pid(name))
-        return 2
-    supervisor.start()
-    backend = make_backend(args, discovery)
-    roles = ("prefill", "decode") if args.prefill else ("agg",)
-    backend.worker_control = control = WorkerControl(supervisor, backend.pool, worker_spec, roles, _workers(args),
-                                                     args.worker_start_timeout_s)
-    control.may_be_empty = backend.empty_pool is not None
-    watchers = [asyncio.create_task(supervisor.watch()), asyncio.create_task(control.run())]
-    control_socket = (await serve_control_socket(sockets / CONTROL_SOCKET, partial(answer_workers, control))
-                      if args.api_servers > 1 else None)
+    exit_on_sigterm()  # from here a SIGTERM, even while the workers boot, unwinds through the clean-up below
+    watchers: list[asyncio.Task] = []
+    control_socket = None
     try:
+        if args.engine == VLLM and (refusal := await _first_worker_takes_options(args, supervisor, worker_spec)):
+            print(f"error: {refusal}", file=sys.stderr)
+            return 2
+        supervisor.start()
+        backend = make_backend(args, discovery)
+        roles = ("prefill", "decode") if args.prefill else ("agg",)
+        backend.worker_control = control = WorkerControl(supervisor, backend.pool, worker_spec, roles,
+                                                         _workers(args), args.worker_start_timeout_s)
+        control.may_be_empty = backend.empty_pool is not None
+        watchers = [asyncio.create_task(supervisor.watch()), asyncio.create_task(control.run())]
+        if args.api_servers > 1:
+            control_socket = await serve_control_socket(sockets / CONTROL_SOCKET, partial(answer_workers, control))
         await run_http(args, backend)
     finally:
         for watcher in watchers:
@@ -168,7 +170,7 @@ async def _serve(args: argparse.Namespace, run_dir: Path, sockets: Path, engine_
             control_socket.close()
         supervisor.stop()
         for name in list(supervisor.children):
-            _remove_files_of(supervisor.pid(name))  # of workers that had to be killed
+            _remove_files_of(supervisor.pid(name))  # of workers that had to be killed (or a refused one)
     return 0
 
 

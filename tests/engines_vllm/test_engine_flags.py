@@ -3,13 +3,18 @@ options are checked by its venv's interpreter, so a bad one is named by vLLM's o
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.engines_vllm.conftest import VLLM_PYTHON
+from tests.serving.probes import child_pids
+from tokenmill.procs import process_alive
 
 CHECK_S = 120
 
@@ -53,9 +58,31 @@ def test_a_missing_vllm_venv_says_how_to_install_it(small_llama: Path, tmp_path:
     assert result.returncode == 2 and "make install-vllm" in result.stderr, result.stderr
 
 
-# Each case is `tokenmill worker ... --check-only` as `serve` runs it in vLLM's venv before starting
-# any worker (the serve cases above show serve passing the worker's one line on); all of them run
-# in one process of that venv, which imports vLLM once instead of once per case.
+def test_a_sigterm_while_the_first_worker_takes_the_options_leaves_nothing_running(small_llama: Path,
+                                                                                   tmp_path: Path) -> None:
+    """serve holds its other workers until the first has taken vLLM's options (it imports vLLM for
+    seconds first): stopped then, serve stops that worker too, and leaves nothing of it."""
+    serve = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(small_llama), "--port",
+                              "0", "--engine", "vllm", "--engine-python", str(VLLM_PYTHON)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + CHECK_S
+        while not (workers := child_pids(serve.pid)):
+            assert serve.poll() is None and time.monotonic() < deadline, "serve started no worker"
+            time.sleep(0.05)
+        [worker] = workers
+        serve.send_signal(signal.SIGTERM)
+        _, err = serve.communicate(timeout=CHECK_S)
+    finally:
+        serve.kill()
+    assert serve.returncode == 128 + signal.SIGTERM, err
+    assert not process_alive(worker)
+    assert not list(Path(tempfile.gettempdir()).glob(f"tokenmill-{worker}-*")), "the worker's scratch was left"
+
+
+# Each case is `tokenmill worker ... --check-only`: the options taken as a starting worker takes them
+# (`_vllm_engine`), nothing started; serve's first worker does the same and its one line is passed on
+# (the serve cases above). All of them run in one process of vLLM's venv: one vLLM import, not one a case.
 WORKER_CASES: dict[str, list[str]] = {
     "good": ["--engine-arg", "enforce_eager=true", "--engine-arg", "max_num_seqs=8", "--",
              "--max-num-batched-tokens", "1024"],

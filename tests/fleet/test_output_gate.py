@@ -69,6 +69,30 @@ def test_a_child_that_never_says_is_stopped_at_the_timeout(capfd: pytest.Capture
     argv = child("print('starting', file=sys.stderr, flush=True); time.sleep(600)")
     supervisor = WorkerSupervisor([])
     lines = asyncio.run(supervisor.start_gated(ChildSpec("w", argv), argv, OutputGate(ACCEPTED), timeout_s=1.0))
-    assert lines == ["starting"]
+    assert lines == ["starting", "(stopped: no word from it in 1 s)"]
     assert supervisor.children["w"].process.poll() is not None
     assert capfd.readouterr() == ("", "")
+
+
+def test_a_cancelled_start_stops_the_child() -> None:
+    argv = child("time.sleep(600)")
+    supervisor = WorkerSupervisor([])
+
+    async def scenario() -> None:
+        task = asyncio.create_task(supervisor.start_gated(ChildSpec("w", argv), argv, OutputGate(ACCEPTED), 60))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert supervisor.children["w"].process.poll() is not None
+
+
+def test_an_exit_right_after_the_opening_line_is_no_refusal(capfd: pytest.CaptureFixture[str]) -> None:
+    """The line came, so the options were taken: the exit is a crash for the supervisor to restart."""
+    argv = child(f"print('log', file=sys.stderr); print({ACCEPTED!r}, file=sys.stderr); sys.exit(1)")
+    supervisor = WorkerSupervisor([])
+    assert asyncio.run(supervisor.start_gated(ChildSpec("w", argv), argv, OutputGate(ACCEPTED), 60)) is None
+    joined(supervisor, "w")
+    assert capfd.readouterr().err == "log\n"

@@ -179,11 +179,7 @@ async def run_http(args: argparse.Namespace, backend) -> None:
     planner = _start_planner(app, args)
     log.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
     announce = asyncio.create_task(_announce_when_up(server, f"http://{args.host}:{args.port}"))
-    if threading.current_thread() is threading.main_thread():
-        # uvicorn shuts down on SIGTERM, then raises it again with the handler found before it
-        # started: the default one would end the process before the callers' cleanup (stopping
-        # the workers) runs; an exception unwinds through it instead.
-        signal.signal(signal.SIGTERM, _exit_after_cleanup)
+    exit_on_sigterm()  # uvicorn shuts down on SIGTERM, then raises it again with the handler found before it
     try:
         await server.serve(sockets=sockets)
     finally:
@@ -254,6 +250,13 @@ def shared_port_socket(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(False)
     return sock
+
+
+def exit_on_sigterm() -> None:
+    """From now on a SIGTERM raises SystemExit, which unwinds through the callers' clean-up
+    (stopping the workers): the default handler would end the process before it runs."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_after_cleanup)
 
 
 def _exit_after_cleanup(signum: int, frame: object) -> None:

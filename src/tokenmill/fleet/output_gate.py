@@ -24,10 +24,12 @@ class OutputGate:
 
     def hold(self, stream: str, line: bytes) -> bool:
         """Whether `line` is kept from `stream` (the readers call this before passing a line on)."""
+        if self.opened.is_set():  # set once, under the lock, after the held lines went out
+            return False
         with self._lock:
             if self.opened.is_set():
                 return False
-            if line.rstrip(b"\r\n") != self.opening_line:
+            if not line.rstrip(b"\r\n").endswith(self.opening_line):  # (after a write that ended no line)
                 self._held.append((stream, line))
                 return True
             for held_stream, held_line in self._held:

@@ -6,7 +6,7 @@ before the supervisor's own restart budget), a word when an exit is settled (`on
 signals to one child, and the last lines each child wrote to stderr (`tail`), which are still
 copied to this process's stderr as they come: the reason a start failed is in them. One child
 may start first and alone, its output held until it says its engine took the options
-(`start_gated`): a refusal is then its one line.
+(`start_gated`): a refusal is then its one line (held lines are not in its tail).
 """
 from __future__ import annotations
 
@@ -62,22 +62,29 @@ class WorkerSupervisor(Supervisor):
     async def start_gated(self, spec: ChildSpec, argv: list[str], gate: OutputGate,
                           timeout_s: float) -> list[str] | None:
         """Start `spec` alone, as `argv` this once (restarts take the spec's), its stdout and stderr
-        held by `gate` until it opens: None then. If the child exits first, or `timeout_s` passes, it
-        is stopped (and stays on record, for `pid`), its output dropped: the stderr lines it held,
-        the reason it gave."""
+        held by `gate` until it opens: None then. If the child exits first, or `timeout_s` passes,
+        it is stopped (and stays on record, for `pid`), its output dropped: the stderr lines it held,
+        the reason it gave. Cancelled, it is stopped too."""
         process = self._spawn(ChildSpec(spec.name, argv, spec.env), gate)
         self.children[spec.name] = _Child(spec, process)
-        deadline = time.monotonic() + timeout_s
-        while not gate.opened.is_set():
-            if process.poll() is not None or time.monotonic() > deadline:
+        deadline, timed_out = time.monotonic() + timeout_s, False
+        try:
+            while not gate.opened.is_set() and process.poll() is None:
+                if timed_out := time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            if not gate.opened.is_set():
                 kill_leftovers(process.pid)
                 process.wait()
-                for reader in self._readers.pop(spec.name, []):
-                    reader.join(TAIL_JOIN_S)
-                return gate.held_lines("stderr") or [f"exited with code {process.returncode}, saying nothing"]
-            await asyncio.sleep(0.05)
-        log.info("%s took its engine's options", spec.name)
-        return None
+                self._join_readers(spec.name)
+        if gate.opened.is_set():  # an exit right after the line is a crash to restart, not a refusal
+            log.info("%s took its engine's options", spec.name)
+            return None
+        said = gate.held_lines("stderr")
+        if timed_out:
+            said.append(f"(stopped: no word from it in {timeout_s:g} s)")
+        return said or [f"exited with code {process.returncode}, saying nothing"]
 
     def _spawn(self, spec: ChildSpec, gate: OutputGate | None = None) -> subprocess.Popen:
         (log.debug if gate else log.info)("starting %s", spec.name)  # a refused start is told by its reason only
@@ -92,11 +99,16 @@ class WorkerSupervisor(Supervisor):
             reader.start()
         return process
 
+    def _join_readers(self, name: str) -> None:
+        """Let the readers of an exited child take its last lines (`TAIL_JOIN_S` for them all)."""
+        deadline = time.monotonic() + TAIL_JOIN_S
+        for reader in self._readers.get(name, []):
+            reader.join(max(0.0, deadline - time.monotonic()))
+
     def _handle_exit(self, child: _Child, code: int) -> None:
         name = child.spec.name
         kill_leftovers(child.process.pid)
-        for reader in self._readers.get(name, []):
-            reader.join(TAIL_JOIN_S)
+        self._join_readers(name)
         restart = (self.restart and not self._stopping and child.restarts < self.max_restarts
                    and self.may_restart(name))
         (log.error if code else log.info)("%s exited with code %s%s", name, code, "" if restart else "; not restarting")

@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.report_accepted_options:
-        print(OPTIONS_ACCEPTED, file=sys.stderr, flush=True)
+        sys.stderr.write(OPTIONS_ACCEPTED + "\n")  # one write: no other thread's line inside it
+        sys.stderr.flush()
     server = WorkerServer(engine, settings, discovery, transfer, event_plane)
     address = server.bind()
     health = None
