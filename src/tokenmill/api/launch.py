@@ -179,7 +179,7 @@ async def run_http(args: argparse.Namespace, backend) -> None:
     planner = _start_planner(app, args)
     log.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
     announce = asyncio.create_task(_announce_when_up(server, f"http://{args.host}:{args.port}"))
-    exit_on_sigterm()  # uvicorn shuts down on SIGTERM, then raises it again with the handler found before it
+    exit_on_sigterm()  # uvicorn shuts down on SIGTERM, then raises it again with the handler it found: this one
     try:
         await server.serve(sockets=sockets)
     finally:

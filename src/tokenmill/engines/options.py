@@ -21,7 +21,7 @@ VLLM_BLOCK_SIZE = 32
 VLLM_VENV = ".venv-vllm"
 INSTALL_HINT = "make install-vllm (or scripts/install-vllm.sh; VLLM_PACKAGE=vllm on a CUDA host)"
 # What a worker given --report-accepted-options writes on stderr, alone on its line, once its engine
-# has taken its options: `serve` holds that worker's output until then, and its other workers
+# has taken its options: until then `serve` holds that worker's output and starts no other worker
 OPTIONS_ACCEPTED = "tokenmill-worker: the engine's options are accepted"
 
 
