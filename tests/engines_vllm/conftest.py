@@ -17,7 +17,7 @@ import pytest
 from tests.serving.conftest import Server, start_server, stop_server
 from tokenmill.engine.make_model import write_model
 from tokenmill.engines.options import VLLM_VENV
-from tokenmill.runtime.shared_segments import PYTHON_SEGMENT, SHM_DIR, mapped_anywhere
+from tokenmill.runtime.shared_segments import mapped_anywhere, python_files
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / VLLM_VENV / "bin" / "python"
@@ -46,7 +46,7 @@ def vllm_deployment(small_llama: Path, tmp_path_factory: pytest.TempPathFactory)
     """Two vLLM workers behind one frontend, KV-routed."""
     assert VLLM_PYTHON.is_file(), f"no {VLLM_PYTHON}: run `make install-vllm`"
     run_dir = tmp_path_factory.mktemp("vllm-run")
-    before = python_segments()
+    before = python_files()
     server = start_serving(small_llama, run_dir, "--router", "kv", "--kv-cache-blocks", str(KV_BLOCKS), workers=2)
     try:
         yield Deployment(server, small_llama)
@@ -55,14 +55,10 @@ def vllm_deployment(small_llama: Path, tmp_path_factory: pytest.TempPathFactory)
     assert not left_behind(before), "vLLM's shared-memory queues outlived the deployment"
 
 
-def python_segments() -> set[Path]:
-    return set(SHM_DIR.glob(f"{PYTHON_SEGMENT}*"))
-
-
 def left_behind(before: set[Path]) -> set[Path]:
     """Shared-memory segments made since `before` that no process maps any more: leaked (vLLM's
     processes unlink theirs as they stop; a SIGKILL skips that, and serve must clean up after it)."""
-    return python_segments() - before - mapped_anywhere()
+    return python_files() - before - mapped_anywhere()
 
 
 def start_serving(model: Path, run_dir: Path, *flags: str, workers: int) -> Server:

@@ -13,9 +13,10 @@ from typing import Any
 import openai
 import pytest
 
-from tests.engines_vllm.conftest import VLLMAlone, left_behind, python_segments, start_serving
+from tests.engines_vllm.conftest import VLLMAlone, left_behind, start_serving
 from tests.serving.conftest import Server, stop_server
 from tests.serving.probes import metric, wait
+from tokenmill.runtime.shared_segments import python_files
 from tokenmill.textgen.detokenizer import IncrementalDetokenizer
 from tokenmill.textgen.tokenizer import Tokenizer
 
@@ -47,7 +48,7 @@ def reference(small_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module")
 def disagg(small_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    before = python_segments()
+    before = python_files()
     server = start_serving(small_llama, tmp_path_factory.mktemp("vllm-disagg"), "--prefill", "1", "--decode", "1",
                            "--disagg-threshold", str(THRESHOLD), "--transfer-faults", f"corrupt={CORRUPT_EVERY}",
                            workers=2)

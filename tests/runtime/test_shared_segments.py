@@ -1,6 +1,7 @@
-"""A killed child's process group leaves no Python shared-memory segment behind (vLLM's engine
-core and workers talk through such segments, and a SIGKILL skips the finalizers that unlink them),
-but a segment another process still maps is left to it."""
+"""A killed child's process group leaves no Python shared-memory segment or multiprocessing
+semaphore behind (vLLM's engine core and workers talk through such segments, and a SIGKILL skips
+the finalizers and the resource tracker that unlink them), but a segment another process still
+maps is left to it."""
 from __future__ import annotations
 
 import subprocess
@@ -65,3 +66,29 @@ def test_a_segment_mapped_outside_the_group_stays(group: tuple[subprocess.Popen,
         assert bytes(kept.buf[:4]) == b"\0\0\0\0"  # still readable here
     finally:
         kept.close()
+
+
+# A leader holding a lock of multiprocessing's spawn context: a named semaphore in /dev/shm, which
+# glibc maps under the temporary name it made it with, and which the group's resource tracker
+# would unlink at the leader's exit, but not when the whole group is killed.
+LOCK = """
+import multiprocessing, time
+lock = multiprocessing.get_context("spawn").Lock()
+print(lock._semlock.name, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_groups_multiprocessing_semaphore_goes_with_it() -> None:
+    leader = subprocess.Popen([sys.executable, "-c", LOCK], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    assert leader.stdout is not None
+    semaphore = SHM_DIR / ("sem." + leader.stdout.readline().strip().lstrip("/"))
+    try:
+        assert semaphore.exists()
+        kill_leftovers(leader.pid)
+        assert not semaphore.exists()
+    finally:
+        leader.kill()
+        leader.wait()
+        semaphore.unlink(missing_ok=True)
