@@ -39,11 +39,13 @@ def test_lines_before_the_opening_line_are_held_then_written_in_order(tmp_path: 
     async def scenario() -> list[str] | None:
         task = asyncio.create_task(supervisor.start_gated(ChildSpec("w", ["restarted-as-this"]), argv,
                                                           OutputGate(ACCEPTED), timeout_s=60))
-        await asyncio.sleep(0.5)
-        held = capfd.readouterr()
-        assert (held.out, held.err) == ("", ""), "written before the child said its options were accepted"
-        assert not task.done()
-        go.touch()
+        try:
+            await asyncio.sleep(0.5)
+            held = capfd.readouterr()
+            assert (held.out, held.err) == ("", ""), "written before the child said its options were accepted"
+            assert not task.done()
+        finally:
+            go.touch()  # the child ends either way
         return await task
 
     assert asyncio.run(scenario()) is None
