@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -60,17 +61,26 @@ def test_shared_tensor_is_unlinked_on_close_even_with_views_alive() -> None:
     assert float(pool.tensor.sum()) == 48.0  # the tensor stays usable until it is dropped
 
 
+def _shm_files_of(*pids: int) -> set[str]:
+    """The files made by these processes (their names carry the maker's pid): other tests, running
+    beside this one, make and remove their own."""
+    return {name for name in _shm_files() if name.removeprefix(SHM_PREFIX).split("-")[0] in map(str, pids)}
+
+
 def test_agents_and_peer_processes_leave_nothing_in_shared_memory() -> None:
-    before = _shm_files()
+    me, peers = os.getpid(), []
+    before = _shm_files_of(me)
 
     async def main() -> None:
         async with agent_pair():
-            assert len(_shm_files() - before) == 4  # two pools, two notification sockets
+            assert len(_shm_files_of(me) - before) == 4  # two pools, two notification sockets
         with PeerProcess(PeerSpec("short-lived", LAYOUT.total_bytes)) as peer:
-            assert Path(SHM_DIR / peer.metadata["regions"][POOL_REGION]["shm_name"]).exists()
+            pool = peer.metadata["regions"][POOL_REGION]["shm_name"]
+            assert Path(SHM_DIR / pool).exists()
+            peers.append(int(pool.removeprefix(SHM_PREFIX).split("-")[0]))
 
     run(main())
-    assert _shm_files() == before
+    assert peers and _shm_files_of(me, *peers) == before
 
 
 def test_shared_memory_names_are_checked() -> None:
